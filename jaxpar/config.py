@@ -1,0 +1,316 @@
+"""Typed run configuration: dataclasses, YAML files and dotted command-line overrides.
+
+A run is configured by one :class:`Config` made of sections (``model``, ``parallel``, ``train``,
+``data``, ``debug``). Values come, in order of precedence, from dotted overrides
+(``parallel.tensor=4``), a YAML file, and the dataclass defaults. Unknown keys and bad values raise
+:class:`ConfigError` naming the key and the valid choices, before anything is compiled.
+
+Every field carries a ``help`` string in its metadata; :func:`config_table` renders all keys as a
+Markdown table (the README's key reference is generated from it, so it cannot drift).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: one line naming the key and a valid choice."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ParallelConfig:
+    data: int = _f(1, "Data-parallel size (batch split). One axis may be -1: the rest of the devices.")
+    tensor: int = _f(1, "Tensor-parallel size (Megatron column/row split of heads, MLP and vocabulary).")
+    pipe: int = _f(1, "Pipeline-parallel size (stages of consecutive layers).")
+    expert: int = _f(1, "Expert-parallel size; dense layers use it as extra data parallelism.")
+    seq: int = _f(1, "Sequence/context-parallel size (sequence split of activations).")
+    zero: int = _f(0, "ZeRO stage over `data`: 0 replicated, 1 optimizer state sharded, 3 parameters too (FSDP).",
+                   (0, 1, 3))
+    cpu_devices: int = _f(0, "Simulated XLA CPU devices when no accelerator is present; 0 = the mesh size.")
+
+
+@dataclass
+class ModelConfig:
+    style: str = _f("gpt2", "Preset for the unset choices below: gpt2 (learned positions, LayerNorm, GELU, "
+                            "tied embeddings, biases) or llama (RoPE, RMSNorm, SwiGLU, untied, no biases).",
+                    ("gpt2", "llama"))
+    n_layers: int = _f(4, "Transformer blocks.")
+    d_model: int = _f(128, "Residual stream width.")
+    n_heads: int = _f(4, "Query heads.")
+    n_kv_heads: int = _f(0, "Key/value heads (GQA); 0 = n_heads.")
+    head_dim: int = _f(0, "Width of one head; 0 = d_model / n_heads.")
+    d_ff: int = _f(0, "MLP hidden width; 0 = 4*d_model (gelu) or the Llama rule 8/3*d_model rounded to 64 (swiglu).")
+    vocab_size: int = _f(256, "Vocabulary size (padded internally to a multiple of vocab_multiple; pad masked).")
+    vocab_multiple: int = _f(128, "Pad the vocabulary to a multiple of this (and of `tensor`).")
+    seq_len: int = _f(128, "Tokens per training sequence.")
+    positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
+    norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
+    mlp: str | None = _f(None, "gelu or swiglu (default from style).", ("gelu", "swiglu"))
+    tie_embeddings: bool | None = _f(None, "Share the input embedding with the output head (default from style).")
+    bias: bool | None = _f(None, "Biases in linear layers and norms (default from style).")
+    norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.")
+    rope_theta: float = _f(10000.0, "RoPE base frequency.")
+    init_std: float = _f(0.02, "Std of the normal initialiser (residual projections scaled by 1/sqrt(2*n_layers)).")
+    remat: str = _f("none", "Rematerialisation of each block: none, full, or save_dots (keep weight matmuls).",
+                    ("none", "full", "save_dots"))
+    param_dtype: str = _f("float32", "Dtype parameters are stored in.", ("float32", "bfloat16"))
+    compute_dtype: str = _f("auto", "Dtype of matmuls: auto = float32 on CPU, bfloat16 on GPU/TPU.",
+                            ("auto", "float32", "bfloat16"))
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with every style-dependent choice made explicit."""
+        llama = self.style == "llama"
+        c = dataclasses.replace(self)
+        c.positions = c.positions or ("rope" if llama else "learned")
+        c.norm = c.norm or ("rmsnorm" if llama else "layernorm")
+        c.mlp = c.mlp or ("swiglu" if llama else "gelu")
+        c.tie_embeddings = (not llama) if c.tie_embeddings is None else c.tie_embeddings
+        c.bias = (not llama) if c.bias is None else c.bias
+        c.n_kv_heads = c.n_kv_heads or c.n_heads
+        if c.head_dim == 0 and c.n_heads > 0:
+            if c.d_model % c.n_heads:
+                raise ConfigError(f"model.d_model={c.d_model} is not divisible by model.n_heads={c.n_heads}; "
+                                  "set model.head_dim explicitly or choose n_heads dividing d_model")
+            c.head_dim = c.d_model // c.n_heads
+        if c.d_ff == 0:
+            c.d_ff = 4 * c.d_model if c.mlp == "gelu" else 64 * -(-(8 * c.d_model // 3) // 64)
+        return c
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(200, "Optimizer steps.")
+    seed: int = _f(0, "Seed of the initial weights and of the synthetic data / data order.")
+    batch_size: int = _f(32, "Global batch, in sequences (summed over all devices and microsteps).")
+    grad_accum: int = _f(1, "Gradient-accumulation microsteps per optimizer step (splits batch_size).")
+    lr: float = _f(3e-3, "Peak learning rate.")
+    warmup_steps: int = _f(20, "Linear warm-up steps from 0 to lr.")
+    min_lr_ratio: float = _f(0.1, "Cosine decay ends at lr*min_lr_ratio at the last step.")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices only; not norms, biases).")
+    beta1: float = _f(0.9, "Adam beta1.")
+    beta2: float = _f(0.95, "Adam beta2.")
+    eps: float = _f(1e-8, "Adam epsilon.")
+    grad_clip: float = _f(1.0, "Clip gradients to this global L2 norm; 0 disables.")
+    log_every: int = _f(10, "Write metrics every N steps (the first and last step are always logged).")
+    out_dir: str = _f("runs/default", "Run directory (resolved config, metrics.jsonl, compile_report.json).")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("synthetic", "Where training tokens come from.", ("synthetic",))
+
+
+@dataclass
+class DebugConfig:
+    dump_hlo: bool = _f(False, "Also write the optimised HLO of the train step as train_step.hlo.txt.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a Config from dictionaries, YAML and dotted overrides.
+
+
+def _allowed_types(tp) -> tuple:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _coerce(key: str, value: Any, tp, choices) -> Any:
+    allowed = _allowed_types(tp)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{key}: null is not allowed (expected {tp.__name__})")
+    out = None
+    for t in allowed:
+        if t is type(None):
+            continue
+        if t is bool:
+            if isinstance(value, bool):
+                out = value
+                break
+        elif t is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                out = value
+                break
+        elif t is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out = float(value)
+                break
+        elif t is str:
+            if isinstance(value, str):
+                out = value
+                break
+    if out is None:
+        names = " or ".join(t.__name__ for t in allowed)
+        raise ConfigError(f"{key}={value!r}: expected {names}")
+    if choices is not None and out not in choices:
+        raise ConfigError(f"{key}={out!r} is not a valid choice; choose one of {', '.join(map(str, choices))}")
+    return out
+
+
+def _unknown(key: str, candidates) -> ConfigError:
+    leaf = key.rsplit(".", 1)
+    prefix = leaf[0] + "." if len(leaf) == 2 else ""
+    full = [prefix + c for c in candidates]
+    close = difflib.get_close_matches(key, full, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else f"; valid keys: {', '.join(full)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in values.items():
+        key = prefix + str(k)
+        if k not in fields:
+            raise _unknown(key, fields)
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, key + ".")
+        else:
+            kwargs[k] = _coerce(key, v, tp, fields[k].metadata.get("choices"))
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node, cls = tree, Config
+    for i, p in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+        if p not in names:
+            raise _unknown(".".join(parts[: i + 1]), names)
+        tp = typing.get_type_hints(cls)[p]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(f"{dotted} is a section; set one of its keys, e.g. {dotted}."
+                                  f"{dataclasses.fields(tp)[0].name}=...")
+            node[p] = value
+        else:
+            if not dataclasses.is_dataclass(tp):
+                raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section")
+            node = node.setdefault(p, {})
+            cls = tp
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """``"parallel.tensor=4"`` -> ``("parallel.tensor", 4)``; values are parsed as YAML scalars."""
+    if "=" not in arg:
+        raise ConfigError(f"override {arg!r} must look like section.key=value (e.g. parallel.tensor=4)")
+    key, raw = arg.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Defaults <- YAML file <- overrides (``["train.steps=10"]`` or ``{"train.steps": 10}``)."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
+        tree = loaded
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that need no devices. Mesh/model divisibility is checked in partitioning."""
+    def positive(key, v):
+        if v <= 0:
+            raise ConfigError(f"{key}={v} must be a positive integer")
+
+    par = cfg.parallel
+    minus_one = [a for a in ("data", "tensor", "pipe", "expert", "seq") if getattr(par, a) == -1]
+    for a in ("data", "tensor", "pipe", "expert", "seq"):
+        v = getattr(par, a)
+        if v != -1:
+            positive(f"parallel.{a}", v)
+    if len(minus_one) > 1:
+        raise ConfigError(f"only one parallel axis may be -1 (the rest of the devices); got {', '.join(minus_one)}")
+    if par.cpu_devices < 0:
+        raise ConfigError(f"parallel.cpu_devices={par.cpu_devices} must be >= 0 (0 = the mesh size)")
+    m = cfg.model
+    for k in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "vocab_multiple"):
+        positive(f"model.{k}", getattr(m, k))
+    for k in ("n_kv_heads", "head_dim", "d_ff"):
+        if getattr(m, k) < 0:
+            raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 0 (0 = derived default)")
+    r = m.resolved()
+    if r.n_heads % r.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={r.n_kv_heads} must divide model.n_heads={r.n_heads}")
+    if r.positions == "rope" and r.head_dim % 2:
+        raise ConfigError(f"RoPE needs an even head dim; got {r.head_dim} (model.head_dim / d_model/n_heads)")
+    t = cfg.train
+    for k in ("steps", "batch_size", "grad_accum", "log_every"):
+        positive(f"train.{k}", getattr(t, k))
+    if t.batch_size % t.grad_accum:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
+        raise ConfigError("train.lr must be > 0, train.grad_clip and train.weight_decay >= 0")
+
+
+def config_table() -> str:
+    """Markdown table of every key, its type, default and meaning (generated; used by the README)."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    hints_root = typing.get_type_hints(Config)
+    for sec in dataclasses.fields(Config):
+        cls = hints_root[sec.name]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            tname = " or ".join("null" if t is type(None) else t.__name__ for t in _allowed_types(tp))
+            choices = f.metadata.get("choices")
+            if choices:
+                tname += ": " + " / ".join(map(str, choices))
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append(f"| `{sec.name}.{f.name}` | {tname} | `{default!r}` | {f.metadata.get('help', '')} |")
+    return "\n".join(rows)

@@ -1,0 +1,242 @@
+"""Reading the compiled program: collectives (kind, mesh axes, count, bytes), memory and flops.
+
+The optimised HLO text lists each collective once per computation; a collective inside a ``while``
+body (a ``lax.scan``) runs once per iteration. :func:`collectives` walks the call graph from the
+entry computation and multiplies by the loops' known trip counts, so ``count`` and ``bytes`` are
+per executed step; ``static_count`` is the number of HLO instructions.
+
+Bytes: ``bytes`` is the size of the collective's result on one device (for an all-reduce this is
+the reduced array; for an all-gather the gathered array; for a reduce-scatter the scattered shard),
+``operand_bytes`` the size of its inputs. Each collective is labelled with the mesh axes its
+replica groups span (``data``, ``tensor``, ``data+expert`` ...), read from any of the replica-group
+notations XLA prints.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1}
+
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+def type_bytes(t: str) -> int:
+    """Bytes of an HLO type string (array or tuple)."""
+    total = 0
+    for dt, dims in _ARRAY.findall(t):
+        if dt not in DTYPE_BYTES:
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES[dt]
+    return total
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``'(f32[2], f32[3]) all-reduce(...)'`` -> (type, remainder)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1:].lstrip()
+    t, _, r = rest.partition(" ")
+    return t, r
+
+
+@dataclass
+class Instr:
+    name: str
+    type: str
+    opcode: str
+    text: str
+    operands: list = field(default_factory=list)
+
+
+def parse_computations(hlo: str) -> tuple[dict[str, list[Instr]], str]:
+    comps: dict[str, list[Instr]] = {}
+    entry, cur = None, None
+    for line in hlo.splitlines():
+        h = _HEADER.match(line)
+        if h and not line.startswith(" "):
+            cur = h.group(2)
+            comps[cur] = []
+            if h.group(1):
+                entry = cur
+            continue
+        if cur is None:
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        t, rest = _split_type(m.group(2))
+        op = re.match(r"([a-z][\w\-]*)\((.*)", rest)
+        if not op:
+            continue
+        args = op.group(2)
+        depth, end = 1, len(args)
+        for i, ch in enumerate(args):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                end = i
+                break
+        operands = re.findall(r"%([\w.\-]+)", args[:end])
+        comps[cur].append(Instr(m.group(1), t, op.group(1), rest, operands))
+    if entry is None and comps:
+        entry = list(comps)[-1]
+    return comps, entry
+
+
+def _multiplicity(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, int], bool]:
+    mult: dict[str, int] = defaultdict(int)
+    unknown = False
+
+    def visit(c: str, m: int):
+        nonlocal unknown
+        mult[c] += m
+        for ins in comps.get(c, []):
+            if ins.opcode == "while":
+                body = re.search(r"body=%?([\w.\-]+)", ins.text)
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
+                if not trip:
+                    unknown = True
+                if body:
+                    visit(body.group(1), m * (int(trip.group(1)) if trip else 1))
+                continue
+            for key in ("to_apply", "calls", "true_computation", "false_computation"):
+                for callee in re.findall(key + r"=%?([\w.\-]+)", ins.text):
+                    if callee in comps and ins.opcode not in ("all-reduce", "reduce-scatter", "reduce",
+                                                              "all-reduce-start", "scatter", "sort", "map",
+                                                              "reduce-window", "select-and-scatter"):
+                        visit(callee, m)
+            br = re.search(r"branch_computations=\{([^}]*)\}", ins.text)
+            if br:
+                for callee in re.findall(r"%?([\w.\-]+)", br.group(1)):
+                    visit(callee, m)
+
+    visit(entry, 1)
+    return mult, unknown
+
+
+# ---------------------------------------------------------------------------------------------
+# Replica groups -> mesh axes
+
+
+def _iota(spec: str, n: int | None = None) -> np.ndarray:
+    """``'[2,4]T(1,0)'`` -> device ids laid out by the iota-with-transpose notation."""
+    m = re.match(r"\[([0-9,]*)\](?:T\(([0-9,]*)\))?", spec.strip())
+    dims = [int(d) for d in m.group(1).split(",") if d]
+    arr = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(2):
+        arr = arr.transpose([int(p) for p in m.group(2).split(",")])
+    return arr
+
+
+def replica_groups(text: str, n_devices: int) -> list[list[int]] | None:
+    """The groups of a collective, from whichever notation XLA printed; None if none found."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", text)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names = [a for a, _ in axes]
+        shape = [int(s) for _, s in axes]
+        ids = _iota(m.group(2)).reshape(shape) if m.group(2) else np.arange(int(np.prod(shape))).reshape(shape)
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        rest = [i for i in range(len(shape)) if i not in grouped]
+        arr = ids.transpose(rest + grouped).reshape(-1, int(np.prod([shape[i] for i in grouped])) if grouped else 1)
+        return arr.tolist()
+    m = re.search(r"replica_groups=(\[[0-9,]*\])<=(\[[0-9,]*\](?:T\([0-9,]*\))?)", text)
+    if m:
+        gshape = [int(d) for d in m.group(1)[1:-1].split(",")]
+        return _iota(m.group(2)).reshape(gshape).tolist()
+    m = re.search(r"replica_groups=\{(\{[0-9,{} ]*\})?\}", text)
+    if m:
+        groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9, ]*)\}", m.group(0))]
+        groups = [g for g in groups if g]
+        return groups or [list(range(n_devices))]
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", text)
+    if m:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(0))]
+    return None
+
+
+def axes_of_groups(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -> str:
+    """Mesh axes along which the devices of each group differ (``'data+tensor'``), ``'?'`` if unknown."""
+    if groups is None:
+        return "?"
+    names = list(mesh_shape)
+    shape = tuple(mesh_shape.values())
+    n = int(np.prod(shape))
+    varying = set()
+    for g in groups:
+        if any(d >= n for d in g):
+            return "?"
+        coords = [np.unravel_index(d, shape) for d in g]
+        for a, b in itertools.combinations(coords, 2) if len(coords) > 1 else []:
+            varying |= {names[i] for i in range(len(shape)) if a[i] != b[i]}
+    return "+".join(a for a in names if a in varying) or "none"
+
+
+def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
+    """``{kind: {count, static_count, bytes, operand_bytes, by_axes: {axes: {count, bytes}}}}``."""
+    comps, entry = parse_computations(hlo)
+    mult, unknown = _multiplicity(comps, entry)
+    n = int(np.prod(list(mesh_shape.values()))) if mesh_shape else 0
+    out = {k: {"count": 0, "static_count": 0, "bytes": 0, "operand_bytes": 0, "by_axes": {}} for k in KINDS}
+    for cname, instrs in comps.items():
+        m = mult.get(cname, 0)
+        if m == 0:
+            continue
+        types = {i.name: i.type for i in instrs}
+        done_type = {i.operands[0]: i.type for i in instrs if i.opcode.endswith("-done") and i.operands}
+        for ins in instrs:
+            kind = ins.opcode[:-6] if ins.opcode.endswith("-start") else ins.opcode
+            if kind not in KINDS:
+                continue
+            res_type = done_type.get(ins.name, ins.type) if ins.opcode.endswith("-start") else ins.type
+            rb = type_bytes(res_type)
+            ob = sum(type_bytes(types.get(o, "")) for o in ins.operands)
+            e = out[kind]
+            e["count"] += m
+            e["static_count"] += 1
+            e["bytes"] += rb * m
+            e["operand_bytes"] += ob * m
+            label = axes_of_groups(replica_groups(ins.text, n), mesh_shape) if mesh_shape else "?"
+            a = e["by_axes"].setdefault(label, {"count": 0, "bytes": 0})
+            a["count"] += m
+            a["bytes"] += rb * m
+    out["unknown_trip_count"] = unknown
+    return out
+
+
+def compile_report(compiled, mesh_shape: dict[str, int] | None = None) -> dict:
+    """Per-device memory, flops and collectives of a compiled (``jit(...).lower(...).compile()``) program."""
+    rep: dict = {}
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        rep["memory"] = {k: int(getattr(mem, f"{k}_in_bytes")) for k in (
+            "argument_size", "output_size", "temp_size", "alias_size", "generated_code_size")
+            if hasattr(mem, f"{k}_in_bytes")}
+        peak = getattr(mem, "peak_memory_in_bytes", None)
+        if peak is not None:
+            rep["memory"]["peak"] = int(peak)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    rep["flops"] = float(cost.get("flops", 0.0))
+    rep["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
+    rep["collectives"] = collectives(compiled.as_text(), mesh_shape)
+    return rep

@@ -1,0 +1,17 @@
+"""Parallel building blocks usable in any Flax NNX model.
+
+Sharding is declared by logical axis names (see :mod:`jaxpar.partitioning`); under
+``jaxpar.partitioning.use_rules(rules)`` the layers constrain their activations accordingly.
+"""
+
+from jaxpar.layers.attention import Attention, causal_attention, rope
+from jaxpar.layers.embedding import VocabParallelEmbed, padded_init, padded_vocab, vocab_parallel_cross_entropy
+from jaxpar.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
+from jaxpar.layers.mlp import MLP
+from jaxpar.layers.norm import LayerNorm, RMSNorm, make_norm
+
+__all__ = [
+    "Attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init", "padded_vocab",
+    "vocab_parallel_cross_entropy", "ColumnParallelLinear", "ParallelLinear", "RowParallelLinear", "MLP",
+    "LayerNorm", "RMSNorm", "make_norm",
+]

@@ -1,0 +1,83 @@
+"""Vocabulary-parallel embedding and cross-entropy (Megatron): the vocabulary dim is split over
+``tensor`` and the full logits are never gathered.
+
+* Lookup: each device gathers the rows it owns and zeroes the others; an all-reduce over
+  ``tensor`` of the ``[batch, length, embed]`` result completes it (XLA's partitioner emits exactly
+  this for a gather from a vocab-sharded table).
+* Loss: ``logsumexp`` is a max-reduce and a sum-reduce over the split dim (all-reduces of
+  ``[batch, length]`` scalars) and the target logit is picked by comparing a vocab iota with the
+  target, so no device ever holds a ``[batch, length, vocab]`` array whole.
+
+The table is padded to a multiple of ``vocab_multiple`` (and of the tensor size) so that any
+vocabulary size splits evenly; the padded logits are masked out of the softmax. Initial values
+are drawn at the real size and zero-padded, so they do not depend on the padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.partitioning import constrain, param
+
+
+def padded_vocab(vocab_size: int, multiple: int, tensor: int = 1) -> int:
+    m = math.lcm(multiple, tensor)
+    return -(-vocab_size // m) * m
+
+
+def padded_init(init, real_rows: int, axis: int = 0):
+    """Initialise ``real_rows`` along ``axis`` with ``init`` and zero-pad to the requested shape."""
+
+    def f(key, shape, dtype=jnp.float32):
+        real = list(shape)
+        real[axis] = real_rows
+        x = init(key, tuple(real), dtype)
+        pad = [(0, 0)] * len(shape)
+        pad[axis] = (0, shape[axis] - real_rows)
+        return jnp.pad(x, pad)
+
+    return f
+
+
+class VocabParallelEmbed(nnx.Module):
+    """Token embedding ``[vocab_padded, embed]`` with the vocabulary split over ``tensor``.
+
+    ``__call__(ids)`` looks tokens up; ``attend(x)`` gives tied output logits ``x @ table.T``.
+    """
+
+    def __init__(self, vocab_size: int, features: int, *, vocab_multiple: int = 128, tensor: int = 1,
+                 init_std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.vocab_size = vocab_size
+        self.padded_size = padded_vocab(vocab_size, vocab_multiple, tensor)
+        init = padded_init(nnx.initializers.normal(init_std), vocab_size)
+        self.embedding = param(init(rngs.params(), (self.padded_size, features), param_dtype),
+                               ("vocab", "embed"))
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        x = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        return constrain(x, ("batch", "length", "act_embed"))
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        logits = jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+        return constrain(logits, ("batch", "length", "act_vocab"))
+
+
+def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int | None = None
+                                 ) -> jax.Array:
+    """Per-token ``-log softmax(logits)[target]`` in float32; columns ``>= vocab_size`` are padding.
+
+    ``logits``: ``[..., vocab_padded]`` (may be split over ``tensor``), ``targets``: ``[...]`` ints.
+    """
+    logits = logits.astype(jnp.float32)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = jnp.where(iota < vocab_size, logits, -1e30)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[..., 0]
+    target_logit = jnp.sum(jnp.where(iota == targets[..., None], logits, 0.0), axis=-1)
+    return lse - target_logit

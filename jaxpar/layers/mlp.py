@@ -1,0 +1,33 @@
+"""Transformer MLP: GELU (GPT-2) or SwiGLU (Llama); column-parallel up, row-parallel down."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nnx.Module):
+    """``down(act(up(x)))`` or ``down(silu(gate(x)) * up(x))``; one all-reduce forward under TP."""
+
+    def __init__(self, d_model: int, d_ff: int, *, kind: str = "gelu", use_bias: bool = True,
+                 init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if kind not in ("gelu", "swiglu"):
+            raise ValueError(f"unknown mlp kind {kind!r}; choose gelu or swiglu")
+        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        init = nnx.initializers.normal(init_std)
+        self.kind = kind
+        self.up = ColumnParallelLinear(d_model, d_ff, kernel_init=init, **kw)
+        self.gate = ColumnParallelLinear(d_model, d_ff, kernel_init=init, **kw) if kind == "swiglu" else None
+        self.down = RowParallelLinear(d_ff, d_model, kernel_init=nnx.initializers.normal(out_init_std or init_std),
+                                      **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.kind == "swiglu":
+            h = jax.nn.silu(self.gate(x)) * self.up(x)
+        else:
+            h = jax.nn.gelu(self.up(x), approximate=True)
+        return self.down(h)

@@ -1,0 +1,189 @@
+"""Logical axis names -> mesh axes, derived from the parallel config in ONE place.
+
+Model code names the dimensions of its weights and activations with logical names
+(``embed``, ``mlp``, ``heads``, ``batch``, ``act_mlp`` ...). :func:`make_rules` turns a
+:class:`~jaxpar.config.ParallelConfig` into :class:`Rules` that map each name to mesh axes:
+
+=================  =======================================  ===================================
+logical name       mesh axes                                why
+=================  =======================================  ===================================
+batch              data, expert                             DP; ``expert`` is extra DP for dense
+length             seq                                      sequence parallelism
+vocab, act_vocab   tensor                                   vocabulary-parallel embed / loss
+heads, kv_heads    tensor                                   Megatron attention
+mlp, act_mlp       tensor                                   Megatron MLP
+embed              data under ZeRO-3 (params), ZeRO>=1 (opt) FSDP / sharded optimizer state
+experts            expert                                   expert parallelism
+stages             pipe                                     pipeline parallelism
+=================  =======================================  ===================================
+
+Two rule sets exist: ``params`` (weights and activations) and ``opt`` (optimizer state, which is
+additionally split over ``data`` under ZeRO-1). A name with no rule, two dims of one array on the
+same mesh axis, or a dim the mesh axes do not divide is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
+
+# Logical names used by the layers in this package. Users' own layers may use these freely.
+WEIGHT_NAMES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "positions", "norm",
+                "layers", "stages", "experts")
+ACTIVATION_NAMES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
+                    "act_mlp", "act_vocab")
+
+
+@dataclass(frozen=True)
+class Rules:
+    """A logical-name -> mesh-axes table bound to a mesh."""
+
+    table: dict
+    mesh: Mesh | None = None
+    name: str = "params"
+
+    def axes(self, name: str | None) -> tuple[str, ...]:
+        if name is None:
+            return ()
+        if name not in self.table:
+            raise ConfigError(f"logical axis name {name!r} has no partitioning rule; known names: "
+                              f"{', '.join(sorted(self.table))}")
+        return self.table[name]
+
+    def spec(self, names, shape=None, what: str = "array") -> P:
+        """PartitionSpec for an array whose dims carry ``names``; checks collisions and divisibility."""
+        used: dict[str, str] = {}
+        out = []
+        for i, n in enumerate(names):
+            axes = tuple(a for a in self.axes(n) if self.mesh is None or self.mesh.shape[a] > 1)
+            for a in axes:
+                if a in used:
+                    raise ConfigError(f"{what}: logical dims {used[a]!r} and {n!r} both map to mesh axis "
+                                      f"{a!r} ({self.name} rules); an array may use a mesh axis once")
+                used[a] = n
+            if shape is not None and self.mesh is not None and axes:
+                k = math.prod(self.mesh.shape[a] for a in axes)
+                if shape[i] % k:
+                    raise ConfigError(f"{what}: dim {i} ({n!r}, size {shape[i]}) is not divisible by mesh "
+                                      f"axes {'x'.join(axes)} (size {k})")
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+    def sharding(self, names, shape=None, what: str = "array") -> NamedSharding:
+        if self.mesh is None:
+            raise ValueError("Rules without a mesh cannot build shardings")
+        return NamedSharding(self.mesh, self.spec(names, shape, what))
+
+
+def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> dict[str, Rules]:
+    """The ``params`` and ``opt`` rule sets for a parallel config (the only place rules are made)."""
+    if par.pipe not in (1, -1) or (mesh is not None and mesh.shape["pipe"] > 1):
+        raise ConfigError(f"parallel.pipe={par.pipe}: pipeline parallelism is not implemented yet; "
+                          "use parallel.pipe=1")
+    if par.seq not in (1, -1) or (mesh is not None and mesh.shape["seq"] > 1):
+        raise ConfigError(f"parallel.seq={par.seq}: sequence parallelism is not implemented yet; "
+                          "use parallel.seq=1")
+    base = {
+        "batch": ("data", "expert"), "length": ("seq",),
+        "vocab": ("tensor",), "act_vocab": ("tensor",),
+        "heads": ("tensor",), "act_heads": ("tensor",),
+        "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
+        "mlp": ("tensor",), "act_mlp": ("tensor",),
+        "head_dim": (), "act_head_dim": (), "act_embed": (), "positions": (), "norm": (), "layers": (),
+        "experts": ("expert",), "stages": ("pipe",),
+    }
+    params = dict(base, embed=("data",) if par.zero >= 3 else ())
+    opt = dict(base, embed=("data",) if par.zero >= 1 else ())
+    return {"params": Rules(params, mesh, "params"), "opt": Rules(opt, mesh, "opt")}
+
+
+def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int]) -> None:
+    """Divisibility of the model by the mesh, with errors naming config keys."""
+    m = model.resolved()
+    t = sizes["tensor"]
+    for key, v in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("d_ff", m.d_ff)):
+        if v % t:
+            raise ConfigError(f"parallel.tensor={t} does not divide model.{key}={v}; choose tensor among "
+                              f"{_divisors(v)} or change model.{key}")
+    if par.zero >= 1 and m.d_model % sizes["data"]:
+        raise ConfigError(f"parallel.zero={par.zero} shards d_model over data: parallel.data={sizes['data']} "
+                          f"does not divide model.d_model={m.d_model}; valid data sizes: {_divisors(m.d_model)}")
+
+
+def check_batch_fits(batch_size: int, grad_accum: int, sizes: dict[str, int]) -> None:
+    dp = sizes["data"] * sizes["expert"]
+    micro = batch_size // grad_accum
+    if micro % dp:
+        raise ConfigError(f"train.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} sequences "
+                          f"per microstep is not divisible by the batch-parallel size data*expert={dp}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation constraints: layers call constrain(x, names); a no-op when no rules are active.
+
+_ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jaxpar_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | None):
+    """Make ``rules`` (bound to a mesh) the target of :func:`constrain` inside the block."""
+    token = _ACTIVE.set(rules)
+    try:
+        yield rules
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rules() -> Rules | None:
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, names) -> jax.Array:
+    """``with_sharding_constraint`` by logical names under the active rules (identity without)."""
+    rules = _ACTIVE.get()
+    if rules is None or rules.mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, rules.sharding(names, x.shape, "activation"))
+
+
+def rules_table(rules: dict[str, Rules]) -> str:
+    """Printable table: logical name | params -> mesh axes | optimizer state -> mesh axes."""
+    names = sorted(rules["params"].table)
+    w = max(map(len, names))
+
+    def fmt(r, n):
+        axes = [a for a in r.table[n] if r.mesh is None or r.mesh.shape[a] > 1]
+        return ",".join(axes) if axes else "-"
+
+    lines = [f"{'logical':<{w}}  {'params/activations':<20} optimizer state", "-" * (w + 38)]
+    for n in names:
+        lines.append(f"{n:<{w}}  {fmt(rules['params'], n):<20} {fmt(rules['opt'], n)}")
+    return "\n".join(lines)
+
+
+def param(value: jax.Array, names) -> "nnx.Param":
+    """An ``nnx.Param`` annotated with logical axis names (one per dim) for jaxpar's rules.
+
+    Flax's eager sharding is switched off for it: placement is decided by :mod:`jaxpar.partitioning`
+    when the state is created under ``jit`` with output shardings, never at construction.
+    """
+    from flax import nnx
+
+    names = tuple(names)
+    if len(names) != value.ndim:
+        raise ValueError(f"{len(names)} logical names {names} for an array of rank {value.ndim}")
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)

@@ -1,0 +1,210 @@
+"""The training engine: sharded state, the jitted train step, and its compiled report.
+
+State is a plain pytree ``{"step", "params", "opt"}``; ``params`` is a nested dict of arrays
+(the model's ``nnx.Param`` leaves) and ``opt`` the optax state. Every leaf's sharding is computed
+from the logical names the model declared and the rules of :mod:`jaxpar.partitioning`:
+
+* parameters follow the ``params`` rules (ZeRO-3 adds ``data`` on ``embed``);
+* optimizer moments follow the ``opt`` rules (ZeRO-1 and up add ``data`` on ``embed``);
+* the batch is split over ``batch -> (data, expert)``.
+
+The state is created inside ``jit`` with these output shardings, so no host ever holds the whole
+model, and the step is compiled once, with the state donated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import hlo
+from jaxpar.config import Config
+from jaxpar.mesh import make_mesh
+from jaxpar.optim import lr_schedule, make_optimizer
+from jaxpar.partitioning import check_batch_fits, check_model_fits, make_rules, use_rules
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _nest(items) -> dict:
+    out: dict = {}
+    for path, v in items:
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return out
+
+
+class ModelAdapter:
+    """Converts between an NNX model and a plain nested dict of its parameters.
+
+    ``build`` is a zero-argument callable creating the model (run abstractly here, for real
+    inside the jitted initialiser). The model must hold only ``nnx.Param`` state.
+    """
+
+    def __init__(self, build):
+        self.build = build
+        abstract = nnx.eval_shape(build)
+        self.graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            raise TypeError("jaxpar models may only hold nnx.Param state")
+        self.treedef = jax.tree.structure(state)
+        flat = list(state.flat_state())
+        self.paths = [tuple(str(k) for k in p) for p, _ in flat]
+        self.axes = _nest((p, tuple(v.get_metadata()["out_sharding"])) for p, (_, v) in zip(self.paths, flat))
+        self.abstract = _nest((p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, (_, v) in zip(self.paths, flat))
+
+    def params_of(self, model: nnx.Module) -> dict:
+        _, state, _ = nnx.split(model, nnx.Param, ...)
+        return _nest((tuple(str(k) for k in p), v[...]) for p, v in state.flat_state())
+
+    def model(self, params: dict) -> nnx.Module:
+        leaves = [_get(params, p) for p in self.paths]
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+class Trainer:
+    """Builds mesh, rules, shardings, optimizer and the compiled train step for a :class:`Config`."""
+
+    def __init__(self, cfg: Config, mesh=None, build_model=None):
+        self.cfg = cfg
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.parallel)
+        self.sizes = dict(self.mesh.shape)
+        check_model_fits(cfg.model, cfg.parallel, self.sizes)
+        check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes)
+        self.rules = make_rules(cfg.parallel, self.mesh)
+        if build_model is None:
+            from models.gpt import build_model
+        tensor, seed = self.sizes["tensor"], cfg.train.seed
+        self.adapter = ModelAdapter(lambda: build_model(cfg.model, tensor=tensor, seed=seed))
+        axes, abstract = self.adapter.axes, self.adapter.abstract
+
+        def specs(rules):
+            return jax.tree.map(lambda a, ax: rules.spec(ax, a.shape, f"parameter with dims {ax}"), abstract, axes)
+
+        self.param_specs = specs(self.rules["params"])
+        opt_param_specs = specs(self.rules["opt"])
+        self.tx = make_optimizer(cfg.train, axes)
+        self.schedule = lr_schedule(cfg.train)
+        opt_abstract = jax.eval_shape(self.tx.init, abstract)
+        self.opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, opt_param_specs,
+                                               transform_non_params=lambda _: P(),
+                                               is_leaf=lambda x: isinstance(x, P))
+        ns = lambda s: NamedSharding(self.mesh, s)  # noqa: E731
+        self.state_shardings = {
+            "step": ns(P()),
+            "params": jax.tree.map(ns, self.param_specs, is_leaf=lambda x: isinstance(x, P)),
+            "opt": jax.tree.map(ns, self.opt_specs, is_leaf=lambda x: isinstance(x, P)),
+        }
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract},
+            self.state_shardings)
+        seq = cfg.model.seq_len
+        self.batch_sharding = self.rules["params"].sharding(("batch", "length"))
+        b = cfg.train.batch_size
+        self.abstract_batch = {k: jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=self.batch_sharding)
+                               for k in ("inputs", "targets")}
+        self._step_jit = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+                                 out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._compiled = None
+
+    # -- sizes -----------------------------------------------------------------------------------
+    def param_count(self) -> int:
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.adapter.abstract))
+
+    def per_device_bytes(self, which: str) -> int:
+        """Bytes of ``params`` or ``opt`` held by one device under the shardings."""
+        tree = self.abstract_state[which]
+        return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))
+
+    # -- state -----------------------------------------------------------------------------------
+    def init_state(self) -> dict:
+        """Parameters and optimizer state, created already sharded (inside jit)."""
+
+        def init():
+            with use_rules(self.rules["params"]):
+                params = self.adapter.params_of(self.adapter.build())
+            return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    # -- the step --------------------------------------------------------------------------------
+    def loss_fn(self, params: dict, batch: dict):
+        with use_rules(self.rules["params"]):
+            loss, aux = self.adapter.model(params).loss(batch["inputs"], batch["targets"])
+        return loss, aux
+
+    def grads(self, params: dict, batch: dict):
+        """Mean loss, aux metrics and gradients over the batch, accumulated over ``grad_accum`` microsteps.
+
+        Microstep ``k`` takes rows ``k, k+K, k+2K ...`` so that every microbatch stays split over the
+        batch axes without moving data.
+        """
+        grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
+        k = self.cfg.train.grad_accum
+        if k == 1:
+            (loss, aux), grads = grad_fn(params, batch)
+            return loss, aux, grads
+        rules = self.rules["params"]
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, rules.sharding((None, "batch", "length"), x.shape)), micro)
+
+        def body(acc, mb):
+            (loss, aux), g = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, acc, g), (loss, aux)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, auxs) = jax.lax.scan(body, zeros, micro)
+        grads = jax.tree.map(lambda g: g / k, grads)
+        return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs), grads
+
+    def _step(self, state: dict, batch: dict):
+        loss, aux, grads = self.grads(state["params"], batch)
+        grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
+        grad_norm = optax.global_norm(grads)
+        updates, opt = self.tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), **aux}
+        return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+
+    def lower(self):
+        return self._step_jit.lower(self.abstract_state, self.abstract_batch)
+
+    def compile(self) -> dict:
+        """Compile the step once; returns the compile report (memory, flops, collectives)."""
+        self._compiled = self.lower().compile()
+        return hlo.compile_report(self._compiled, self.sizes)
+
+    def hlo_text(self) -> str:
+        if self._compiled is None:
+            self.compile()
+        return self._compiled.as_text()
+
+    def step(self, state: dict, batch: dict):
+        """One optimizer step; ``state`` is donated (do not reuse it)."""
+        if self._compiled is None:
+            self.compile()
+        return self._compiled(state, batch)
+
+    # -- data ------------------------------------------------------------------------------------
+    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Global numpy batch -> sharded arrays (each process contributes only its own rows)."""
+        out = {}
+        for k, v in batch.items():
+            v = np.asarray(v)
+            out[k] = jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
+        return out

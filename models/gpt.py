@@ -1,0 +1,128 @@
+"""A decoder-only GPT in Flax NNX, written once against logical axis names.
+
+    x = embed(tokens) (+ learned positions)
+    for each of n_layers blocks (stacked weights, applied with lax.scan):
+        x = x + attn(norm1(x))          # RoPE inside attention when positions == "rope"
+        x = x + mlp(norm2(x))
+    logits = head(norm_f(x))            # tied: embed.attend(x)
+
+``style=gpt2``: learned positions, LayerNorm, GELU, tied embeddings, biases.
+``style=llama``: RoPE, RMSNorm, SwiGLU, GQA (n_kv_heads), untied head, no biases.
+Residual projections are initialised with std ``init_std / sqrt(2 n_layers)`` (GPT-2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init,
+                           vocab_parallel_cross_entropy)
+from jaxpar.partitioning import constrain, param
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def compute_dtype(cfg: ModelConfig):
+    """``auto``: float32 on CPU, bfloat16 on GPU/TPU."""
+    if cfg.compute_dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return DTYPES[cfg.compute_dtype]
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: attention and MLP with residuals."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        norm = dict(eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
+        self.norm1 = make_norm(cfg.norm, cfg.d_model, **norm)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, use_bias=cfg.bias,
+                              rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
+                              init_std=cfg.init_std, out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs)
+        self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, use_bias=cfg.bias, init_std=cfg.init_std,
+                       out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), positions)
+        x = x + self.mlp(self.norm2(x))
+        return constrain(x, ("batch", "length", "act_embed"))
+
+
+def stacked(make, n: int, rngs: nnx.Rngs):
+    """``n`` copies of ``make(rngs)`` with weights stacked on a leading ``layers`` dim."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(r):
+        return make(r)
+
+    return create(rngs)
+
+
+def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none") -> jax.Array:
+    """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), optionally rematerialised."""
+    graphdef, state = nnx.split(blocks)
+
+    def body(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, *args), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, state)
+    return x
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer; ``tensor`` is only used to pad the vocabulary evenly."""
+
+    def __init__(self, cfg: ModelConfig, *, tensor: int = 1, rngs: nnx.Rngs):
+        cfg = cfg.resolved()
+        self.cfg = cfg
+        dtype, pd = compute_dtype(cfg), DTYPES[cfg.param_dtype]
+        self.dtype = dtype
+        self.embed = VocabParallelEmbed(cfg.vocab_size, cfg.d_model, vocab_multiple=cfg.vocab_multiple, tensor=tensor,
+                                        init_std=cfg.init_std, dtype=dtype, param_dtype=pd, rngs=rngs)
+        self.pos_embed = (param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq_len, cfg.d_model), pd),
+                                ("positions", "embed"))
+                          if cfg.positions == "learned" else None)
+        self.blocks = stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
+        self.norm_f = make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
+        vp = self.embed.padded_size
+        self.head = (None if cfg.tie_embeddings else
+                     ColumnParallelLinear(cfg.d_model, vp, out_axes=("vocab",), act_axes=("batch", "length", "act_vocab"),
+                                          use_bias=False, dtype=dtype, param_dtype=pd, rngs=rngs,
+                                          kernel_init=padded_init(nnx.initializers.normal(cfg.init_std),
+                                                                  cfg.vocab_size, axis=1)))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """``tokens [B, T]`` -> logits ``[B, T, vocab_padded]`` (pad columns are garbage; use :meth:`loss`)."""
+        t = tokens.shape[1]
+        if t > self.cfg.seq_len and self.pos_embed is not None:
+            raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.cfg.seq_len}")
+        positions = jnp.arange(t)
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            x = constrain(x + self.pos_embed[...][:t].astype(self.dtype), ("batch", "length", "act_embed"))
+        x = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
+        x = self.norm_f(x)
+        return self.embed.attend(x) if self.head is None else self.head(x)
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy (float32) and a dict of auxiliary metrics."""
+        per_token = vocab_parallel_cross_entropy(self(tokens), targets, self.cfg.vocab_size)
+        return jnp.mean(per_token), {}
+
+
+def build_model(cfg: ModelConfig, *, tensor: int = 1, seed: int = 0) -> GPT:
+    return GPT(cfg, tensor=tensor, rngs=nnx.Rngs(seed))
