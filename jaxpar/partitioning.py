@@ -186,4 +186,4 @@ def param(value: jax.Array, names) -> "nnx.Param":
     names = tuple(names)
     if len(names) != value.ndim:
         raise ValueError(f"{len(names)} logical names {names} for an array of rank {value.ndim}")
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)

@@ -61,14 +61,14 @@ class ModelAdapter:
         if jax.tree.leaves(rest):
             raise TypeError("jaxpar models may only hold nnx.Param state")
         self.treedef = jax.tree.structure(state)
-        flat = list(state.flat_state())
+        flat = list(nnx.to_flat_state(state))
         self.paths = [tuple(str(k) for k in p) for p, _ in flat]
         self.axes = _nest((p, tuple(v.get_metadata()["out_sharding"])) for p, (_, v) in zip(self.paths, flat))
         self.abstract = _nest((p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, (_, v) in zip(self.paths, flat))
 
     def params_of(self, model: nnx.Module) -> dict:
         _, state, _ = nnx.split(model, nnx.Param, ...)
-        return _nest((tuple(str(k) for k in p), v[...]) for p, v in state.flat_state())
+        return _nest((tuple(str(k) for k in p), v[...]) for p, v in nnx.to_flat_state(state))
 
     def model(self, params: dict) -> nnx.Module:
         leaves = [_get(params, p) for p in self.paths]
@@ -175,7 +175,7 @@ class Trainer:
     def _step(self, state: dict, batch: dict):
         loss, aux, grads = self.grads(state["params"], batch)
         grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), **aux}

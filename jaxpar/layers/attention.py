@@ -66,7 +66,9 @@ class Attention(nnx.Module):
         self.q = ColumnParallelLinear(d_model, (n_heads, head_dim), out_axes=("heads", "head_dim"),
                                       act_axes=("batch", "length", "act_heads", "act_head_dim"), **kw)
         kv_axes = dict(out_axes=("kv_heads", "head_dim"), act_axes=("batch", "length", "act_kv_heads", "act_head_dim"))
-        self.k = ColumnParallelLinear(d_model, (n_kv_heads, head_dim), **kv_axes, **kw)
+        # No key bias: it adds q.b_k to every score of a query, which softmax ignores. Its gradient is
+        # exactly zero in exact arithmetic, and Adam would turn the round-off left in it into steps.
+        self.k = ColumnParallelLinear(d_model, (n_kv_heads, head_dim), **kv_axes, **{**kw, "use_bias": False})
         self.v = ColumnParallelLinear(d_model, (n_kv_heads, head_dim), **kv_axes, **kw)
         kw["kernel_init"] = nnx.initializers.normal(out_init_std or init_std)
         self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), **kw)

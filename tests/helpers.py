@@ -1,0 +1,108 @@
+"""Shared test helpers: tiny configs, meshes over a subset of devices, and 1-device references."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jaxpar.config import load_config
+from jaxpar.data import SyntheticSource
+from jaxpar.mesh import make_mesh
+from jaxpar.trainer import Trainer
+
+TINY = {
+    "gpt2": {"model.style": "gpt2", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 8,
+             "model.vocab_size": 250, "model.seq_len": 16},
+    # GQA: 8 query heads, 4 KV heads (tensor=8 needs kv_heads divisible by 8 -> covered by MHA gpt2)
+    "llama": {"model.style": "llama", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 8,
+              "model.n_kv_heads": 8, "model.d_ff": 128, "model.vocab_size": 250, "model.seq_len": 16},
+    "llama_gqa": {"model.style": "llama", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 8,
+                  "model.n_kv_heads": 4, "model.d_ff": 128, "model.vocab_size": 250, "model.seq_len": 16},
+}
+BASE = {"train.batch_size": 16, "train.steps": 3, "train.warmup_steps": 1, "train.lr": 1e-2,
+        "train.out_dir": "/tmp/jaxpar-test-run"}
+
+
+def config(style: str = "gpt2", **over):
+    over = {k.replace("__", "."): v for k, v in over.items()}
+    return load_config(None, {**BASE, **TINY[style], **over})
+
+
+def trainer(cfg, n_devices: int | None = None) -> Trainer:
+    devs = jax.devices()[: n_devices or _mesh_size(cfg)]
+    return Trainer(cfg, mesh=make_mesh(cfg.parallel, devs))
+
+
+def _mesh_size(cfg) -> int:
+    p = cfg.parallel
+    return p.data * p.tensor * p.pipe * p.expert * p.seq
+
+
+def batches(cfg, n: int):
+    src = SyntheticSource(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size)
+    return [src.batch(i) for i in range(n)]
+
+
+def run(cfg, steps: int = 3):
+    """Loss/grads at init on batch 0, and losses + params after ``steps`` AdamW steps (numpy)."""
+    t = trainer(cfg)
+    state = t.init_state()
+    bs = batches(cfg, steps)
+    first = t.place_batch(bs[0])
+    loss, _, grads = jax.jit(t.grads)(state["params"], first)
+    out = {"init_params": jax.device_get(state["params"]), "loss0": float(loss), "grads": jax.device_get(grads)}
+    losses = []
+    for b in bs:
+        state, m = t.step(state, t.place_batch(b))
+        losses.append(float(m["loss"]))
+    out["losses"] = losses
+    out["params"] = jax.device_get(state["params"])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference(style: str, **over):
+    """The same run on a single device (all axes 1, no ZeRO)."""
+    over = dict(over)
+    for k in ("parallel__data", "parallel__tensor", "parallel__zero", "parallel__expert"):
+        over.pop(k, None)
+    return run(config(style, **over))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_trees_close(a, b, rtol: float = 1e-5, what: str = ""):
+    """Per leaf: ||a - b|| <= rtol * ||b||, where leaves below 1e-6 of the whole tree's norm count as
+    that floor (a leaf that is zero in exact arithmetic holds only round-off)."""
+    floor = 1e-6 * float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(b))))
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in la] == [p for p, _ in lb], f"{what}: tree structures differ"
+    for (p, x), (_, y) in zip(la, lb):
+        assert np.shape(x) == np.shape(y), f"{what}{jax.tree_util.keystr(p)}: shape {np.shape(x)} vs {np.shape(y)}"
+        e = float(np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+                  / max(np.linalg.norm(np.asarray(y, np.float64)), floor, 1e-30))
+        assert e <= rtol, f"{what}{jax.tree_util.keystr(p)}: relative error {e:.2e} > {rtol}"
+
+
+def tree_rel_err(a, b) -> float:
+    """Relative error of the whole tree seen as one vector."""
+    fa = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(a)])
+    fb = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(b)])
+    return rel_err(fa, fb)
+
+
+def assert_params_close(a, b, what: str = "params "):
+    """Parameters after AdamW steps: the whole vector within 1e-5 relative, each leaf within 1e-4.
+
+    Adam divides each coordinate's step by its own gradient scale, so for a zero-initialised leaf
+    (a GPT-2 norm bias) a coordinate with a tiny gradient turns float32 reduction-order round-off
+    into a visible relative change of that leaf; a wrong layout gives errors of order 1.
+    """
+    e = tree_rel_err(a, b)
+    assert e <= 1e-5, f"{what}: relative error of the whole parameter vector {e:.2e} > 1e-5"
+    assert_trees_close(a, b, 1e-4, what)

@@ -1,0 +1,48 @@
+#!/usr/bin/env python
+"""Train a jaxpar model.
+
+    python train.py [--config FILE] [section.key=value ...]
+
+Examples:
+    python train.py                                        # the default config
+    python train.py parallel.data=2 parallel.tensor=4 train.steps=50
+    python train.py --config configs/gpt2_124m.yaml parallel.zero=3
+    python train.py --keys                                 # every config key, documented
+
+On a host without accelerators the mesh is simulated with XLA CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML config file (defaults are used for missing keys)")
+    ap.add_argument("--keys", action="store_true", help="print the table of config keys and exit")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=4")
+    args = ap.parse_args(argv)
+
+    from jaxpar.config import ConfigError, config_table, load_config
+
+    if args.keys:
+        print(config_table())
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from jaxpar.mesh import setup_devices
+
+        setup_devices(cfg.parallel)
+        from jaxpar.run import run
+
+        run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
