@@ -165,6 +165,12 @@ def _coerce(key: str, value: Any, tp, choices) -> Any:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out = float(value)
                 break
+            if isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
+                try:
+                    out = float(value)
+                    break
+                except ValueError:
+                    pass
         elif t is str:
             if isinstance(value, str):
                 out = value

@@ -190,11 +190,13 @@ def axes_of_groups(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -
 
 
 def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
-    """``{kind: {count, static_count, bytes, operand_bytes, by_axes: {axes: {count, bytes}}}}``."""
+    """``{kind: {count, static_count, bytes, operand_bytes, max_bytes, by_axes: {axes: {count, bytes}}}}``
+    (``max_bytes``: the largest single instance)."""
     comps, entry = parse_computations(hlo)
     mult, unknown = _multiplicity(comps, entry)
     n = int(np.prod(list(mesh_shape.values()))) if mesh_shape else 0
-    out = {k: {"count": 0, "static_count": 0, "bytes": 0, "operand_bytes": 0, "by_axes": {}} for k in KINDS}
+    out = {k: {"count": 0, "static_count": 0, "bytes": 0, "operand_bytes": 0, "max_bytes": 0, "by_axes": {}}
+           for k in KINDS}
     for cname, instrs in comps.items():
         m = mult.get(cname, 0)
         if m == 0:
@@ -213,6 +215,7 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
             e["static_count"] += 1
             e["bytes"] += rb * m
             e["operand_bytes"] += ob * m
+            e["max_bytes"] = max(e["max_bytes"], rb)
             label = axes_of_groups(replica_groups(ins.text, n), mesh_shape) if mesh_shape else "?"
             a = e["by_axes"].setdefault(label, {"count": 0, "bytes": 0})
             a["count"] += m

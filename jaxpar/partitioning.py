@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
 
 # Logical names used by the layers in this package. Users' own layers may use these freely.
-WEIGHT_NAMES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "positions", "norm",
+WEIGHT_NAMES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "fused", "positions", "norm",
                 "layers", "stages", "experts")
 ACTIVATION_NAMES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
                     "act_mlp", "act_vocab")
@@ -85,8 +85,40 @@ class Rules:
         return NamedSharding(self.mesh, self.spec(names, shape, what))
 
 
-def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> dict[str, Rules]:
-    """The ``params`` and ``opt`` rule sets for a parallel config (the only place rules are made)."""
+@dataclass(frozen=True)
+class RuleSet:
+    """The three rule tables of a run (they differ only in where ``embed`` goes).
+
+    ``params``: where parameters live, and all activations. ``opt``: optimizer state.
+    ``compute``: the layout a weight is used in inside a layer, i.e. ``params`` without the ZeRO-3
+    split; constraining a weight to it makes XLA all-gather it just before use (per layer inside
+    the layer scan) and reduce-scatter its gradient.
+    """
+
+    params: Rules
+    opt: Rules
+    compute: Rules
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self.params.mesh
+
+    def table(self) -> str:
+        """Printable table: logical name -> mesh axes for parameters/activations and optimizer state."""
+        names = sorted(self.params.table)
+        w = max(map(len, names))
+
+        def fmt(r, n):
+            axes = [a for a in r.table[n] if r.mesh is None or r.mesh.shape[a] > 1]
+            return ",".join(axes) if axes else "-"
+
+        lines = [f"{'logical':<{w}}  {'params/activations':<20} optimizer state", "-" * (w + 38)]
+        lines += [f"{n:<{w}}  {fmt(self.params, n):<20} {fmt(self.opt, n)}" for n in names]
+        return "\n".join(lines)
+
+
+def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
+    """The rule tables for a parallel config (the only place rules are made)."""
     if par.pipe not in (1, -1) or (mesh is not None and mesh.shape["pipe"] > 1):
         raise ConfigError(f"parallel.pipe={par.pipe}: pipeline parallelism is not implemented yet; "
                           "use parallel.pipe=1")
@@ -99,12 +131,13 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> dict[str, Rules
         "heads": ("tensor",), "act_heads": ("tensor",),
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
         "mlp": ("tensor",), "act_mlp": ("tensor",),
-        "head_dim": (), "act_head_dim": (), "act_embed": (), "positions": (), "norm": (), "layers": (),
+        "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": (),
         "experts": ("expert",), "stages": ("pipe",),
     }
-    params = dict(base, embed=("data",) if par.zero >= 3 else ())
-    opt = dict(base, embed=("data",) if par.zero >= 1 else ())
-    return {"params": Rules(params, mesh, "params"), "opt": Rules(opt, mesh, "opt")}
+    zero = ("data",)
+    return RuleSet(params=Rules(dict(base, embed=zero if par.zero >= 3 else ()), mesh, "params"),
+                   opt=Rules(dict(base, embed=zero if par.zero >= 1 else ()), mesh, "opt"),
+                   compute=Rules(dict(base, embed=()), mesh, "compute"))
 
 
 def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int]) -> None:
@@ -135,12 +168,12 @@ def _divisors(n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # Activation constraints: layers call constrain(x, names); a no-op when no rules are active.
 
-_ACTIVE: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("jaxpar_rules", default=None)
+_ACTIVE: contextvars.ContextVar[RuleSet | None] = contextvars.ContextVar("jaxpar_rules", default=None)
 
 
 @contextlib.contextmanager
-def use_rules(rules: Rules | None):
-    """Make ``rules`` (bound to a mesh) the target of :func:`constrain` inside the block."""
+def use_rules(rules: RuleSet | None):
+    """Make ``rules`` (bound to a mesh) the target of :func:`constrain` / :func:`constrain_weight`."""
     token = _ACTIVE.set(rules)
     try:
         yield rules
@@ -148,31 +181,24 @@ def use_rules(rules: Rules | None):
         _ACTIVE.reset(token)
 
 
-def active_rules() -> Rules | None:
+def active_rules() -> RuleSet | None:
     return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, names) -> jax.Array:
-    """``with_sharding_constraint`` by logical names under the active rules (identity without)."""
+    """``with_sharding_constraint`` of an activation by logical names (identity without active rules)."""
     rules = _ACTIVE.get()
     if rules is None or rules.mesh is None:
         return x
-    return jax.lax.with_sharding_constraint(x, rules.sharding(names, x.shape, "activation"))
+    return jax.lax.with_sharding_constraint(x, rules.params.sharding(names, x.shape, "activation"))
 
 
-def rules_table(rules: dict[str, Rules]) -> str:
-    """Printable table: logical name | params -> mesh axes | optimizer state -> mesh axes."""
-    names = sorted(rules["params"].table)
-    w = max(map(len, names))
-
-    def fmt(r, n):
-        axes = [a for a in r.table[n] if r.mesh is None or r.mesh.shape[a] > 1]
-        return ",".join(axes) if axes else "-"
-
-    lines = [f"{'logical':<{w}}  {'params/activations':<20} optimizer state", "-" * (w + 38)]
-    for n in names:
-        lines.append(f"{n:<{w}}  {fmt(rules['params'], n):<20} {fmt(rules['opt'], n)}")
-    return "\n".join(lines)
+def constrain_weight(w: jax.Array, names) -> jax.Array:
+    """A weight in the layout it is computed in: gathers a ZeRO-3 shard just before use."""
+    rules = _ACTIVE.get()
+    if rules is None or rules.mesh is None:
+        return w
+    return jax.lax.with_sharding_constraint(w, rules.compute.sharding(names, w.shape, "weight"))
 
 
 def param(value: jax.Array, names) -> "nnx.Param":

@@ -23,7 +23,6 @@ import yaml
 from jaxpar import mesh as meshlib
 from jaxpar.config import Config
 from jaxpar.data import SyntheticSource
-from jaxpar.partitioning import rules_table
 from jaxpar.trainer import Trainer
 
 
@@ -37,7 +36,7 @@ def _fmt_bytes(n: float) -> str:
 
 def startup_report(trainer: Trainer) -> str:
     t = trainer
-    lines = [meshlib.describe(t.mesh), "", rules_table(t.rules), "",
+    lines = [meshlib.describe(t.mesh), "", t.rules.table(), "",
              f"parameters: {t.param_count():,}",
              f"per device: parameters {_fmt_bytes(t.per_device_bytes('params'))}, "
              f"optimizer state {_fmt_bytes(t.per_device_bytes('opt'))}"]

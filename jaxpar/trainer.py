@@ -94,8 +94,8 @@ class Trainer:
         def specs(rules):
             return jax.tree.map(lambda a, ax: rules.spec(ax, a.shape, f"parameter with dims {ax}"), abstract, axes)
 
-        self.param_specs = specs(self.rules["params"])
-        opt_param_specs = specs(self.rules["opt"])
+        self.param_specs = specs(self.rules.params)
+        opt_param_specs = specs(self.rules.opt)
         self.tx = make_optimizer(cfg.train, axes)
         self.schedule = lr_schedule(cfg.train)
         opt_abstract = jax.eval_shape(self.tx.init, abstract)
@@ -113,7 +113,7 @@ class Trainer:
             {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract},
             self.state_shardings)
         seq = cfg.model.seq_len
-        self.batch_sharding = self.rules["params"].sharding(("batch", "length"))
+        self.batch_sharding = self.rules.params.sharding(("batch", "length"))
         b = cfg.train.batch_size
         self.abstract_batch = {k: jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=self.batch_sharding)
                                for k in ("inputs", "targets")}
@@ -135,7 +135,7 @@ class Trainer:
         """Parameters and optimizer state, created already sharded (inside jit)."""
 
         def init():
-            with use_rules(self.rules["params"]):
+            with use_rules(self.rules):
                 params = self.adapter.params_of(self.adapter.build())
             return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
 
@@ -143,7 +143,7 @@ class Trainer:
 
     # -- the step --------------------------------------------------------------------------------
     def loss_fn(self, params: dict, batch: dict):
-        with use_rules(self.rules["params"]):
+        with use_rules(self.rules):
             loss, aux = self.adapter.model(params).loss(batch["inputs"], batch["targets"])
         return loss, aux
 
@@ -158,7 +158,7 @@ class Trainer:
         if k == 1:
             (loss, aux), grads = grad_fn(params, batch)
             return loss, aux, grads
-        rules = self.rules["params"]
+        rules = self.rules.params
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
         micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, rules.sharding((None, "batch", "length"), x.shape)), micro)

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxpar.config import ModelConfig
 from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init,
                            vocab_parallel_cross_entropy)
-from jaxpar.partitioning import constrain, param
+from jaxpar.partitioning import constrain, constrain_weight, param
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = {
@@ -113,7 +113,7 @@ class GPT(nnx.Module):
         positions = jnp.arange(t)
         x = self.embed(tokens)
         if self.pos_embed is not None:
-            x = constrain(x + self.pos_embed[...][:t].astype(self.dtype), ("batch", "length", "act_embed"))
+            x = constrain(x + constrain_weight(self.pos_embed[...], ("positions", "embed"))[:t].astype(self.dtype), ("batch", "length", "act_embed"))
         x = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
         x = self.norm_f(x)
         return self.embed.attend(x) if self.head is None else self.head(x)

@@ -1,7 +1,6 @@
 """Causal self-attention (MHA and GQA; RoPE or external positions) with heads split over ``tensor``.
 
-Q projects ``embed -> (heads, head_dim)`` and K, V ``embed -> (kv_heads, head_dim)`` with
-column-parallel kernels; the output projection ``(heads, head_dim) -> embed`` is row-parallel, so
+Q, K, V are projected by one column-parallel kernel split by KV heads; the output projection ``(heads, head_dim) -> embed`` is row-parallel, so
 the block costs one all-reduce forward under tensor parallelism. With GQA the ``heads`` are
 grouped ``[kv_heads, group]`` so that each device keeps whole groups and K/V are never copied.
 """
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from jaxpar.partitioning import constrain
+from jaxpar.partitioning import constrain, constrain_weight, param
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
@@ -52,31 +51,46 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array 
 
 
 class Attention(nnx.Module):
-    """Multi-head / grouped-query causal self-attention."""
+    """Multi-head / grouped-query causal self-attention.
+
+    Q, K and V come from ONE column-parallel matmul whose kernel is laid out
+    ``[embed, kv_heads, group + 2, head_dim]``: for each KV head, its ``group`` query heads, then
+    its key, then its value. Splitting ``kv_heads`` over ``tensor`` keeps every group whole on one
+    device, and a single matmul means a single all-reduce of the input gradient in the backward
+    (three separate projections would cost three).
+    """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, use_bias: bool = True,
                  rope_theta: float | None = None, init_std: float = 0.02, out_init_std: float | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
-        kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                  kernel_init=nnx.initializers.normal(init_std))
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.group = n_heads // n_kv_heads
         self.rope_theta = rope_theta
-        self.q = ColumnParallelLinear(d_model, (n_heads, head_dim), out_axes=("heads", "head_dim"),
-                                      act_axes=("batch", "length", "act_heads", "act_head_dim"), **kw)
-        kv_axes = dict(out_axes=("kv_heads", "head_dim"), act_axes=("batch", "length", "act_kv_heads", "act_head_dim"))
-        # No key bias: it adds q.b_k to every score of a query, which softmax ignores. Its gradient is
-        # exactly zero in exact arithmetic, and Adam would turn the round-off left in it into steps.
-        self.k = ColumnParallelLinear(d_model, (n_kv_heads, head_dim), **kv_axes, **{**kw, "use_bias": False})
-        self.v = ColumnParallelLinear(d_model, (n_kv_heads, head_dim), **kv_axes, **kw)
-        kw["kernel_init"] = nnx.initializers.normal(out_init_std or init_std)
-        self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), **kw)
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.qkv = ColumnParallelLinear(d_model, (n_kv_heads, self.group + 2, head_dim),
+                                        out_axes=("kv_heads", "fused", "head_dim"),
+                                        act_axes=("batch", "length", "act_kv_heads", None, "act_head_dim"),
+                                        use_bias=False, kernel_init=nnx.initializers.normal(init_std), **kw)
+        # Biases of Q and V only: a key bias adds q.b_k to every score of a query, which softmax
+        # ignores; its gradient is zero in exact arithmetic and Adam would turn round-off into steps.
+        self.q_bias = param(jnp.zeros((n_heads, head_dim), param_dtype), ("heads", "head_dim")) if use_bias else None
+        self.v_bias = param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim")) if use_bias else None
+        self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), use_bias=use_bias,
+                                   kernel_init=nnx.initializers.normal(out_init_std or init_std), **kw)
+        self.dtype = dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        t = x.shape[1]
+        b, t = x.shape[:2]
         positions = jnp.arange(t) if positions is None else positions
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        qkv = self.qkv(x)  # [B, T, KV, group + 2, D]
+        q = qkv[..., : self.group, :].reshape(b, t, self.n_heads, self.head_dim)
+        k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
+        if self.q_bias is not None:
+            q = q + constrain_weight(self.q_bias[...], ("heads", "head_dim")).astype(self.dtype)
+            v = v + constrain_weight(self.v_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
+        q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))
         if self.rope_theta is not None:
             q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
         out = causal_attention(q, k, v)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.partitioning import constrain, param
+from jaxpar.partitioning import constrain, constrain_weight, param
 
 
 def padded_vocab(vocab_size: int, multiple: int, tensor: int = 1) -> int:
@@ -58,12 +58,15 @@ class VocabParallelEmbed(nnx.Module):
                                ("vocab", "embed"))
         self.dtype = dtype
 
+    def table(self) -> jax.Array:
+        return constrain_weight(self.embedding[...], ("vocab", "embed"))
+
     def __call__(self, ids: jax.Array) -> jax.Array:
-        x = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+        x = jnp.take(self.table(), ids, axis=0).astype(self.dtype)
         return constrain(x, ("batch", "length", "act_embed"))
 
     def attend(self, x: jax.Array) -> jax.Array:
-        logits = jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding[...].astype(self.dtype))
+        logits = jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.table().astype(self.dtype))
         return constrain(logits, ("batch", "length", "act_vocab"))
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.partitioning import constrain, param
+from jaxpar.partitioning import constrain, constrain_weight, param
 
 Shape = int | Sequence[int]
 
@@ -46,8 +46,9 @@ class ParallelLinear(nnx.Module):
         if len(in_axes) != len(self.in_features) or len(out_axes) != len(self.out_features):
             raise ValueError("one logical axis name per feature dim is required")
         shape = self.in_features + self.out_features
-        self.kernel = param(kernel_init(rngs.params(), shape, param_dtype), tuple(in_axes) + tuple(out_axes))
-        self.bias = (param(jnp.zeros(self.out_features, param_dtype), out_axes)
+        self.kernel_axes, self.bias_axes = tuple(in_axes) + tuple(out_axes), tuple(out_axes)
+        self.kernel = param(kernel_init(rngs.params(), shape, param_dtype), self.kernel_axes)
+        self.bias = (param(jnp.zeros(self.out_features, param_dtype), self.bias_axes)
                      if use_bias else None)
         self.act_axes = tuple(act_axes) if act_axes is not None else None
         self.dtype = dtype
@@ -58,10 +59,10 @@ class ParallelLinear(nnx.Module):
         batch = letters[: x.ndim - ni]
         ins = letters[x.ndim - ni: x.ndim]
         outs = letters[x.ndim: x.ndim + no]
-        y = jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x.astype(self.dtype),
-                       self.kernel[...].astype(self.dtype))
+        kernel = constrain_weight(self.kernel[...], self.kernel_axes)
+        y = jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x.astype(self.dtype), kernel.astype(self.dtype))
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
+            y = y + constrain_weight(self.bias[...], self.bias_axes).astype(self.dtype)
         return constrain(y, self.act_axes) if self.act_axes is not None else y
 
 

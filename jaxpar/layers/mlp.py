@@ -10,7 +10,7 @@ from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nnx.Module):
-    """``down(act(up(x)))`` or ``down(silu(gate(x)) * up(x))``; one all-reduce forward under TP."""
+    """``down(gelu(up(x)))`` or ``down(silu(x W_gate) * x W_up)``; one all-reduce forward under TP."""
 
     def __init__(self, d_model: int, d_ff: int, *, kind: str = "gelu", use_bias: bool = True,
                  init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
@@ -20,14 +20,18 @@ class MLP(nnx.Module):
         kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         init = nnx.initializers.normal(init_std)
         self.kind = kind
-        self.up = ColumnParallelLinear(d_model, d_ff, kernel_init=init, **kw)
-        self.gate = ColumnParallelLinear(d_model, d_ff, kernel_init=init, **kw) if kind == "swiglu" else None
+        if kind == "swiglu":  # gate and up fused: one matmul, one input-gradient all-reduce under TP
+            self.up = ColumnParallelLinear(d_model, (2, d_ff), out_axes=("fused", "mlp"), kernel_init=init,
+                                           act_axes=("batch", "length", None, "act_mlp"), **kw)
+        else:
+            self.up = ColumnParallelLinear(d_model, d_ff, kernel_init=init, **kw)
         self.down = RowParallelLinear(d_ff, d_model, kernel_init=nnx.initializers.normal(out_init_std or init_std),
                                       **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.kind == "swiglu":
-            h = jax.nn.silu(self.gate(x)) * self.up(x)
+            gate_up = self.up(x)
+            h = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
         else:
             h = jax.nn.gelu(self.up(x), approximate=True)
         return self.down(h)

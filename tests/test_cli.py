@@ -1,0 +1,56 @@
+"""End to end: `python train.py` as a user runs it, in a subprocess with its own device count."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256", "model.seq_len=32",
+         "train.batch_size=8", "train.steps=4", "train.log_every=1", "data.source=synthetic"]
+
+
+def train(*args, check=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(p.stdout[-3000:] + p.stderr[-3000:])
+    return p
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_py_contract_and_mesh_independent_losses(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(*SMALL, "parallel.data=2", "parallel.tensor=2", "parallel.zero=1", f"train.out_dir={a}", "debug.dump_hlo=true")
+    train(*SMALL, "parallel.data=4", f"train.out_dir={b}")
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [0, 1, 2, 3]
+    for x, y in zip(ma, mb):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (ma, mb)
+        for k in ("lr", "grad_norm", "step_time", "tokens_per_sec"):
+            assert k in x
+    rep = json.loads((a / "compile_report.json").read_text())
+    assert rep["memory"]["argument_size"] > 0 and rep["flops"] > 0
+    assert rep["collectives"]["all-reduce"]["by_axes"]["tensor"]["count"] > 0
+    assert "all-reduce" in (a / "train_step.hlo.txt").read_text()
+    assert (a / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["parallel.tensr=2"], "did you mean parallel.tensor"),
+    (["parallel.data=3", "parallel.cpu_devices=4"], "needs 3 devices but 4 are available"),
+    (["parallel.tensor=3", "model.n_heads=4"], "parallel.tensor=3 does not divide model.n_heads=4"),
+    (["--config", "nope.yaml"], "config file 'nope.yaml' does not exist"),
+])
+def test_user_errors_are_one_line(args, needle):
+    p = train(*args, check=False)
+    assert p.returncode == 2
+    assert needle in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -1,0 +1,137 @@
+"""Configuration, mesh and partitioning errors: one clear message naming the key and valid values."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import config, trainer
+from jaxpar.config import ConfigError, config_table, load_config, parse_override
+from jaxpar.mesh import AXES, _dcn_split, axis_sizes, make_mesh, request_cpu_devices
+from jaxpar.partitioning import Rules, make_rules
+
+
+def test_overrides_and_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  d_model: 96\n  n_heads: 6\ntrain:\n  lr: 0.001\n")
+    cfg = load_config(f, ["train.lr=2e-4", "model.style=llama", "parallel.data=-1", "model.bias=true"])
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.lr, cfg.model.style) == (96, 6, 2e-4, "llama")
+    r = cfg.model.resolved()
+    assert (r.positions, r.norm, r.mlp, r.tie_embeddings, r.bias, r.head_dim) == ("rope", "rmsnorm", "swiglu",
+                                                                                  False, True, 16)
+    assert r.d_ff == 256  # 8/3 * 96 = 256, rounded up to 64
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+
+
+@pytest.mark.parametrize("over, needle", [
+    (["parallel.tensr=2"], "did you mean parallel.tensor"),
+    (["modle.d_model=2"], "did you mean model"),
+    (["parallel.data=0"], "parallel.data=0 must be a positive integer"),
+    (["parallel.tensor=-2"], "parallel.tensor=-2 must be a positive integer"),
+    (["parallel.data=-1", "parallel.tensor=-1"], "only one parallel axis may be -1"),
+    (["parallel.zero=2"], "choose one of 0, 1, 3"),
+    (["model.style=bert"], "choose one of gpt2, llama"),
+    (["model.remat=some"], "choose one of none, full, save_dots"),
+    (["train.steps=ten"], "train.steps='ten': expected int"),
+    (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
+    (["train.batch_size=10", "train.grad_accum=4"], "not divisible by train.grad_accum=4"),
+    (["model"], "must look like section.key=value"),
+    (["model=3"], "model is a section"),
+])
+def test_bad_config_values(over, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        load_config(None, over)
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("over, needle", [
+    (dict(parallel__tensor=3, parallel__data=2), "parallel.tensor=3 does not divide model.n_heads=8"),
+    (dict(parallel__tensor=8, model__n_kv_heads=4, model__style="llama"), "model.n_kv_heads=4"),
+    (dict(parallel__tensor=4, model__d_ff=6), "model.d_ff=6"),
+    (dict(parallel__data=8, train__batch_size=12), "not divisible by the batch-parallel size data*expert=8"),
+    (dict(parallel__data=8, parallel__zero=3, model__d_model=36, model__n_heads=4), "does not divide model.d_model=36"),
+])
+def test_model_does_not_fit_mesh(over, needle):
+    cfg = config("gpt2", **over)
+    with pytest.raises(ConfigError) as e:
+        trainer(cfg)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_mesh_size_mismatch_and_minus_one():
+    cfg = config("gpt2", parallel__data=4, parallel__tensor=4)
+    with pytest.raises(ConfigError, match="needs 16 devices but 8 are available"):
+        make_mesh(cfg.parallel, jax.devices())
+    cfg = config("gpt2", parallel__data=-1, parallel__tensor=2)
+    mesh = make_mesh(cfg.parallel, jax.devices())
+    assert tuple(mesh.axis_names) == AXES == ("data", "pipe", "expert", "seq", "tensor")
+    assert dict(mesh.shape) == {"data": 4, "pipe": 1, "expert": 1, "seq": 1, "tensor": 2}
+    # tensor is innermost: neighbouring device ids form a tensor group
+    assert [d.id for d in mesh.devices[0, 0, 0, 0, :]] == [0, 1]
+    with pytest.raises(ConfigError, match="do not divide the 8 devices"):
+        axis_sizes(config("gpt2", parallel__data=-1, parallel__tensor=3).parallel, 8)
+
+
+def test_hybrid_mesh_puts_hosts_on_outer_axes():
+    sizes = {"data": 4, "pipe": 2, "expert": 1, "seq": 1, "tensor": 8}
+    assert _dcn_split(sizes, 8) == {"data": 4, "pipe": 2, "expert": 1, "seq": 1, "tensor": 1}
+    assert _dcn_split(sizes, 2) == {"data": 2, "pipe": 1, "expert": 1, "seq": 1, "tensor": 1}
+    with pytest.raises(ConfigError, match="cannot lay 3 hosts"):
+        _dcn_split(sizes, 3)
+
+
+def test_not_yet_axes_are_rejected():
+    for axis in ("pipe", "seq"):
+        with pytest.raises(ConfigError, match=f"parallel.{axis}=2: .* not implemented yet"):
+            make_rules(load_config(None, [f"parallel.{axis}=2"]).parallel)
+
+
+def test_rules_errors_and_table():
+    mesh = make_mesh(load_config(None, ["parallel.data=2", "parallel.tensor=4"]).parallel, jax.devices())
+    rules = make_rules(load_config(None, ["parallel.data=2", "parallel.tensor=4", "parallel.zero=3"]).parallel, mesh)
+    assert rules.params.spec(("embed", "mlp")) == P("data", "tensor")
+    assert rules.opt.spec(("embed", "mlp")) == P("data", "tensor")
+    assert rules.compute.spec(("embed", "mlp")) == P(None, "tensor")
+    assert rules.params.spec(("batch", "length", "act_embed")) == P("data")
+    with pytest.raises(ConfigError, match="logical axis name 'emb' has no partitioning rule"):
+        rules.params.spec(("emb",))
+    with pytest.raises(ConfigError, match="both map to mesh axis 'tensor'"):
+        rules.params.spec(("heads", "mlp"))
+    with pytest.raises(ConfigError, match="not divisible by mesh axes tensor"):
+        rules.params.spec(("mlp",), shape=(6,))
+    table = rules.table()
+    assert "embed" in table and "batch" in table and "tensor" in table
+    with pytest.raises(ConfigError, match="both map"):
+        Rules({"a": ("data",), "b": ("data",)}, mesh).spec(("a", "b"))
+
+
+def test_zero1_rules_split_optimizer_state_only():
+    rules = make_rules(load_config(None, ["parallel.data=8", "parallel.zero=1"]).parallel,
+                       make_mesh(load_config(None, ["parallel.data=8"]).parallel, jax.devices()))
+    assert rules.params.spec(("embed", "mlp")) == P()
+    assert rules.opt.spec(("embed", "mlp")) == P("data")
+
+
+def test_request_cpu_devices_too_late_is_clear():
+    request_cpu_devices(len(jax.devices()))  # same count after start: fine
+    with pytest.raises(RuntimeError, match="before any JAX computation"):
+        request_cpu_devices(3)
+
+
+def test_request_cpu_devices_before_start_works():
+    code = ("from jaxpar.mesh import request_cpu_devices; request_cpu_devices(5); "
+            "import jax; print(len(jax.devices()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.strip() == "5"
+
+
+def test_config_table_lists_every_key():
+    table = config_table()
+    for key in ("parallel.data", "parallel.tensor", "parallel.pipe", "parallel.expert", "parallel.seq",
+                "parallel.zero", "model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads",
+                "model.d_ff", "model.vocab_size", "model.seq_len", "model.style", "train.steps", "train.seed",
+                "train.batch_size", "train.log_every", "train.out_dir", "data.source", "debug.dump_hlo"):
+        assert f"`{key}`" in table
