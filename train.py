@@ -4,7 +4,7 @@
     python train.py [--config FILE] [section.key=value ...]
 
 Examples:
-    python train.py                                        # the default config
+    python train.py                                        # configs/default.yaml
     python train.py parallel.data=2 parallel.tensor=4 train.steps=50
     python train.py --config configs/gpt2_124m.yaml parallel.zero=3
     python train.py --keys                                 # every config key, documented
@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML config file (defaults are used for missing keys)")
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG),
+                    help="YAML config file; missing keys take the built-in defaults (default: %(default)s)")
     ap.add_argument("--keys", action="store_true", help="print the table of config keys and exit")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=4")
     args = ap.parse_args(argv)

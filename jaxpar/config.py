@@ -108,12 +108,31 @@ class TrainConfig:
     eps: float = _f(1e-8, "Adam epsilon.")
     grad_clip: float = _f(1.0, "Clip gradients to this global L2 norm; 0 disables.")
     log_every: int = _f(10, "Write metrics every N steps (the first and last step are always logged).")
+    eval_every: int = _f(100, "Validation loss every N steps and at the end (0 = only at the end).")
+    eval_batches: int = _f(4, "Global batches of validation text per evaluation.")
     out_dir: str = _f("runs/default", "Run directory (resolved config, metrics.jsonl, compile_report.json).")
 
 
 @dataclass
 class DataConfig:
-    source: str = _f("synthetic", "Where training tokens come from.", ("synthetic",))
+    source: str = _f("synthetic", "Training tokens: synthetic (a learnable function of seed and step), "
+                                  "shakespeare (built-in corpus), or files (data.path).",
+                     ("synthetic", "shakespeare", "files"))
+    path: str = _f("", "With source=files: a text file, a glob, or a folder of .txt/.md/.json/.jsonl files.")
+    jsonl_field: str = _f("text", "Field holding the document in .jsonl / .json records.")
+    tokenizer: str = _f("bpe", "bpe (byte-level BPE trained on the training text, vocab model.vocab_size, "
+                               "cached), byte (raw UTF-8 bytes), or the path of a tokenizer.json.")
+    cache_dir: str = _f("", "Where trained tokenizers are cached; empty = beside the data "
+                            "(~/.cache/jaxpar for the built-in corpus).")
+    val_fraction: float = _f(0.05, "Fraction of the text (its end) held out for validation.")
+
+
+@dataclass
+class SampleConfig:
+    tokens: int = _f(200, "Tokens to generate after training (0 = no sample).")
+    temperature: float = _f(0.8, "Sampling temperature (0 = greedy).")
+    top_k: int = _f(40, "Sample among the k most likely tokens (0 = all).")
+    prompt: str = _f("ROMEO:\n", "Text the sample starts from.")
 
 
 @dataclass
@@ -127,6 +146,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
@@ -292,8 +312,18 @@ def validate(cfg: Config) -> None:
     if r.positions == "rope" and r.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dim; got {r.head_dim} (model.head_dim / d_model/n_heads)")
     t = cfg.train
-    for k in ("steps", "batch_size", "grad_accum", "log_every"):
+    for k in ("steps", "batch_size", "grad_accum", "log_every", "eval_batches"):
         positive(f"train.{k}", getattr(t, k))
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} must be >= 0 (0 = only at the end)")
+    d = cfg.data
+    if d.source == "files" and not d.path:
+        raise ConfigError("data.source=files needs data.path (a file, glob or folder)")
+    if not 0.0 < d.val_fraction <= 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5]")
+    sm = cfg.sample
+    if sm.tokens < 0 or sm.top_k < 0 or sm.temperature < 0:
+        raise ConfigError("sample.tokens, sample.top_k and sample.temperature must be >= 0")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     if t.warmup_steps < 0:

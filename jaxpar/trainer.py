@@ -200,11 +200,30 @@ class Trainer:
             self.compile()
         return self._compiled(state, batch)
 
+    def logits(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """The model's logits for ``tokens`` (for sampling), under this run's rules."""
+        with use_rules(self.rules):
+            return self.adapter.model(params)(tokens)
+
+    # -- evaluation ------------------------------------------------------------------------------
+    def eval_loss(self, params: dict, batch: dict) -> jax.Array:
+        """Mean loss of a batch (no gradients); compiled once for the batch shape."""
+        if not hasattr(self, "_eval_jit"):
+            self._eval_jit = jax.jit(lambda p, b: self.loss_fn(p, b)[0],
+                                     in_shardings=(self.state_shardings["params"], self.batch_sharding))
+        return self._eval_jit(params, batch)
+
     # -- data ------------------------------------------------------------------------------------
-    def place_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global numpy batch -> sharded arrays (each process contributes only its own rows)."""
-        out = {}
-        for k, v in batch.items():
-            v = np.asarray(v)
-            out[k] = jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
-        return out
+    def local_rows(self) -> slice:
+        """The contiguous rows of the global batch that this process's devices hold."""
+        shape = (self.cfg.train.batch_size, self.cfg.model.seq_len)
+        idx = self.batch_sharding.addressable_devices_indices_map(shape).values()
+        starts = [i[0].start or 0 for i in idx]
+        stops = [shape[0] if i[0].stop is None else i[0].stop for i in idx]
+        return slice(min(starts), max(stops))
+
+    def place_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's rows (see :meth:`local_rows`) -> global arrays split over the batch axes."""
+        shape = (self.cfg.train.batch_size, self.cfg.model.seq_len)
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v, np.int32), shape)
+                for k, v in local.items()}

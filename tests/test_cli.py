@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256", "model.seq_len=32",
-         "train.batch_size=8", "train.steps=4", "train.log_every=1", "data.source=synthetic"]
+         "train.batch_size=8", "train.steps=4", "train.log_every=1", "data.source=synthetic",
+         "parallel.data=1", "parallel.tensor=1", "parallel.zero=0", "sample.tokens=0"]
 
 
 def train(*args, check=True):
@@ -46,11 +47,26 @@ def test_train_py_contract_and_mesh_independent_losses(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["parallel.tensr=2"], "did you mean parallel.tensor"),
-    (["parallel.data=3", "parallel.cpu_devices=4"], "needs 3 devices but 4 are available"),
-    (["parallel.tensor=3", "model.n_heads=4"], "parallel.tensor=3 does not divide model.n_heads=4"),
+    (["parallel.data=3", "parallel.tensor=1", "parallel.cpu_devices=4"], "needs 3 devices but 4 are available"),
+    (["parallel.data=1", "parallel.tensor=3", "model.n_heads=4"], "parallel.tensor=3 does not divide model.n_heads=4"),
     (["--config", "nope.yaml"], "config file 'nope.yaml' does not exist"),
 ])
 def test_user_errors_are_one_line(args, needle):
     p = train(*args, check=False)
     assert p.returncode == 2
     assert needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_shakespeare_run_writes_everything(tmp_path):
+    """The main job's outputs, on a tiny model: validation loss, plot, TensorBoard, sample."""
+    out = tmp_path / "s"
+    p = train(*SMALL, "data.source=shakespeare", "train.steps=6", "train.eval_every=3", "train.eval_batches=1",
+              "parallel.data=2", "parallel.tensor=2", "sample.tokens=12", "model.vocab_size=300", f"data.cache_dir={tmp_path}/cache",
+              f"train.out_dir={out}")
+    ms = metrics(out)
+    assert [m["step"] for m in ms if "val_loss" in m] == [2, 5]
+    assert (out / "loss.png").stat().st_size > 1000
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert (out / "sample.txt").read_text().startswith("ROMEO:")
+    assert "--- sample" in p.stdout and "tokenizer bpe with 300 ids" in p.stdout
+    assert list((tmp_path / "cache").glob("bpe-v300-*.tokenizer.json"))

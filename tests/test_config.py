@@ -135,3 +135,25 @@ def test_config_table_lists_every_key():
                 "model.d_ff", "model.vocab_size", "model.seq_len", "model.style", "train.steps", "train.seed",
                 "train.batch_size", "train.log_every", "train.out_dir", "data.source", "debug.dump_hlo"):
         assert f"`{key}`" in table
+
+
+def test_readme_key_table_is_generated_from_the_code():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- keys:start -->\n", 1)[1].split("\n<!-- keys:end -->", 1)[0]
+    assert table == config_table(), "README key table is stale: regenerate it with `python train.py --keys`"
+
+
+def test_shipped_configs_load_and_fit_their_meshes():
+    from pathlib import Path
+
+    from jaxpar.mesh import axis_sizes
+    from jaxpar.partitioning import check_model_fits
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert {f.stem for f in files} >= {"default", "gpt2_124m", "llama_1b", "long_run"}
+    for f in files:
+        cfg = load_config(f)
+        sizes = axis_sizes(cfg.parallel, 64)  # e.g. a 64-accelerator job
+        check_model_fits(cfg.model, cfg.parallel, sizes)
