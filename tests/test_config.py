@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -155,5 +156,6 @@ def test_shipped_configs_load_and_fit_their_meshes():
     assert {f.stem for f in files} >= {"default", "gpt2_124m", "llama_1b", "long_run"}
     for f in files:
         cfg = load_config(f)
-        sizes = axis_sizes(cfg.parallel, 64)  # e.g. a 64-accelerator job
+        fixed = [getattr(cfg.parallel, a) for a in AXES]
+        sizes = axis_sizes(cfg.parallel, 64 if -1 in fixed else int(np.prod(fixed)))  # -1: e.g. 64 accelerators
         check_model_fits(cfg.model, cfg.parallel, sizes)
