@@ -40,6 +40,12 @@ class ParallelConfig:
     pipe: int = _f(1, "Pipeline-parallel size (stages of consecutive layers).")
     expert: int = _f(1, "Expert-parallel size; dense layers use it as extra data parallelism.")
     seq: int = _f(1, "Sequence/context-parallel size (sequence split of activations).")
+    seq_attention: str = _f("ring", "Attention over a split sequence (seq > 1): all_gather (gather K/V), ring "
+                                    "(K/V blocks around a ring, online softmax), ulysses (all-to-all to heads).",
+                            ("all_gather", "ring", "ulysses"))
+    seq_zigzag: bool = _f(True, "Zig-zag sequence layout for ring attention (balances causal work).")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms/residuals split along the sequence "
+                                        "over `tensor` (needs tensor > 1).")
     zero: int = _f(0, "ZeRO stage over `data`: 0 replicated, 1 optimizer state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
     cpu_devices: int = _f(0, "Simulated XLA CPU devices when no accelerator is present; 0 = the mesh size.")
@@ -298,6 +304,9 @@ def validate(cfg: Config) -> None:
             positive(f"parallel.{a}", v)
     if len(minus_one) > 1:
         raise ConfigError(f"only one parallel axis may be -1 (the rest of the devices); got {', '.join(minus_one)}")
+    if par.sequence_parallel and par.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence over "
+                          "the tensor axis); set parallel.tensor or parallel.sequence_parallel=false")
     if par.cpu_devices < 0:
         raise ConfigError(f"parallel.cpu_devices={par.cpu_devices} must be >= 0 (0 = the mesh size)")
     m = cfg.model

@@ -9,6 +9,7 @@ logical name       mesh axes                                why
 =================  =======================================  ===================================
 batch              data, expert                             DP; ``expert`` is extra DP for dense
 length             seq                                      sequence parallelism
+res_length         seq (+ tensor with Megatron-SP)          residual stream outside attn / MLP
 vocab, act_vocab   tensor                                   vocabulary-parallel embed / loss
 heads, kv_heads    tensor                                   Megatron attention
 mlp, act_mlp       tensor                                   Megatron MLP
@@ -38,7 +39,7 @@ from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
 # Logical names used by the layers in this package. Users' own layers may use these freely.
 WEIGHT_NAMES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "fused", "positions", "norm",
                 "layers", "stages", "experts")
-ACTIVATION_NAMES = ("batch", "length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
+ACTIVATION_NAMES = ("batch", "length", "res_length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
                     "act_mlp", "act_vocab")
 
 
@@ -98,6 +99,19 @@ class RuleSet:
     params: Rules
     opt: Rules
     compute: Rules
+    parallel: ParallelConfig | None = None  # strategy switches (seq attention, Megatron-SP)
+
+    def axis_size(self, axis: str) -> int:
+        return 1 if self.mesh is None else self.mesh.shape[axis]
+
+    @property
+    def seq_attention(self) -> str | None:
+        """The context-parallel attention strategy, or None when the sequence is not split."""
+        return self.parallel.seq_attention if self.parallel and self.axis_size("seq") > 1 else None
+
+    @property
+    def megatron_sp(self) -> bool:
+        return bool(self.parallel and self.parallel.sequence_parallel and self.axis_size("tensor") > 1)
 
     @property
     def mesh(self) -> Mesh | None:
@@ -122,11 +136,10 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     if par.pipe not in (1, -1) or (mesh is not None and mesh.shape["pipe"] > 1):
         raise ConfigError(f"parallel.pipe={par.pipe}: pipeline parallelism is not implemented yet; "
                           "use parallel.pipe=1")
-    if par.seq not in (1, -1) or (mesh is not None and mesh.shape["seq"] > 1):
-        raise ConfigError(f"parallel.seq={par.seq}: sequence parallelism is not implemented yet; "
-                          "use parallel.seq=1")
     base = {
         "batch": ("data", "expert"), "length": ("seq",),
+        # the residual stream's sequence dim: also split over tensor under Megatron sequence parallelism
+        "res_length": ("seq", "tensor") if par.sequence_parallel else ("seq",),
         "vocab": ("tensor",), "act_vocab": ("tensor",),
         "heads": ("tensor",), "act_heads": ("tensor",),
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
@@ -137,7 +150,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     zero = ("data",)
     return RuleSet(params=Rules(dict(base, embed=zero if par.zero >= 3 else ()), mesh, "params"),
                    opt=Rules(dict(base, embed=zero if par.zero >= 1 else ()), mesh, "opt"),
-                   compute=Rules(dict(base, embed=()), mesh, "compute"))
+                   compute=Rules(dict(base, embed=()), mesh, "compute"), parallel=par)
 
 
 def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int]) -> None:
@@ -148,6 +161,22 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
         if v % t:
             raise ConfigError(f"parallel.tensor={t} does not divide model.{key}={v}; choose tensor among "
                               f"{_divisors(v)} or change model.{key}")
+    n = sizes["seq"]
+    if n > 1:
+        need = n * (2 if par.seq_attention == "ring" and par.seq_zigzag else 1)
+        if m.seq_len % need:
+            why = " (the zig-zag layout cuts it into 2 x seq chunks)" if need > n else ""
+            raise ConfigError(f"parallel.seq={n} does not divide model.seq_len={m.seq_len} into {need} equal "
+                              f"chunks{why}; choose model.seq_len divisible by {need}")
+        if par.seq_attention == "ulysses":
+            for key, v in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
+                if v % (n * t):
+                    raise ConfigError(f"parallel.seq_attention=ulysses splits heads over seq x tensor = {n * t}: "
+                                      f"it does not divide model.{key}={v}; use ring or all_gather, or change "
+                                      f"parallel.seq / model.{key}")
+    if par.sequence_parallel and t > 1 and m.seq_len % (n * t):
+        raise ConfigError(f"parallel.sequence_parallel=true splits model.seq_len={m.seq_len} over seq x tensor = "
+                          f"{n * t}, which does not divide it")
     if par.zero >= 1 and m.d_model % sizes["data"]:
         raise ConfigError(f"parallel.zero={par.zero} shards d_model over data: parallel.data={sizes['data']} "
                           f"does not divide model.d_model={m.d_model}; valid data sizes: {_divisors(m.d_model)}")

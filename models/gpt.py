@@ -17,12 +17,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init,
                            vocab_parallel_cross_entropy)
-from jaxpar.partitioning import constrain, constrain_weight, param
+from jaxpar.layers.context_parallel import zigzag_order
+from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES = {
@@ -56,7 +58,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x = x + self.attn(self.norm1(x), positions)
         x = x + self.mlp(self.norm2(x))
-        return constrain(x, ("batch", "length", "act_embed"))
+        return constrain(x, ("batch", "res_length", "act_embed"))
 
 
 def stacked(make, n: int, rngs: nnx.Rngs):
@@ -105,23 +107,49 @@ class GPT(nnx.Module):
                                           kernel_init=padded_init(nnx.initializers.normal(cfg.init_std),
                                                                   cfg.vocab_size, axis=1)))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """``tokens [B, T]`` -> logits ``[B, T, vocab_padded]`` (pad columns are garbage; use :meth:`loss`)."""
+    def forward(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Logits ``[B, T, vocab_padded]`` for ``tokens`` at global ``positions [T]`` (any order)."""
         t = tokens.shape[1]
         if t > self.cfg.seq_len and self.pos_embed is not None:
             raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        positions = jnp.arange(t)
         x = self.embed(tokens)
         if self.pos_embed is not None:
-            x = constrain(x + constrain_weight(self.pos_embed[...], ("positions", "embed"))[:t].astype(self.dtype), ("batch", "length", "act_embed"))
+            pos = jnp.take(constrain_weight(self.pos_embed[...], ("positions", "embed")), positions, axis=0)
+            x = constrain(x + pos.astype(self.dtype), ("batch", "res_length", "act_embed"))
         x = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
         x = self.norm_f(x)
         return self.embed.attend(x) if self.head is None else self.head(x)
 
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """``tokens [B, T]`` -> logits ``[B, T, vocab_padded]`` (pad columns are garbage; use :meth:`loss`)."""
+        order = sequence_order(tokens.shape[1])
+        if order is None:
+            return self.forward(tokens, jnp.arange(tokens.shape[1]))
+        logits = self.forward(tokens[:, order], jnp.asarray(order))
+        return logits[:, np.argsort(order)]
+
     def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy (float32) and a dict of auxiliary metrics."""
-        per_token = vocab_parallel_cross_entropy(self(tokens), targets, self.cfg.vocab_size)
+        """Mean next-token cross-entropy (float32) and a dict of auxiliary metrics.
+
+        Under zig-zag ring attention the tokens and targets are permuted together (the mean does
+        not depend on the order), so the logits are never put back in order.
+        """
+        order = sequence_order(tokens.shape[1])
+        if order is None:
+            logits = self.forward(tokens, jnp.arange(tokens.shape[1]))
+        else:
+            tokens, targets = tokens[:, order], targets[:, order]
+            logits = self.forward(tokens, jnp.asarray(order))
+        per_token = vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size)
         return jnp.mean(per_token), {}
+
+
+def sequence_order(t: int) -> np.ndarray | None:
+    """The token order the active layout needs: zig-zag for ring attention over ``seq``, else None."""
+    rules = active_rules()
+    if rules is None or rules.seq_attention != "ring" or not rules.parallel.seq_zigzag:
+        return None
+    return zigzag_order(t, rules.axis_size("seq"))
 
 
 def build_model(cfg: ModelConfig, *, tensor: int = 1, seed: int = 0) -> GPT:

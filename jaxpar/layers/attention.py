@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from jaxpar.partitioning import constrain, constrain_weight, param
+from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
@@ -82,6 +82,8 @@ class Attention(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``x [B, T, d]``; ``positions [T]``: global positions of the tokens (they may be permuted,
+        e.g. zig-zag ordered for ring attention). With ``seq`` > 1 attention runs context-parallel."""
         b, t = x.shape[:2]
         positions = jnp.arange(t) if positions is None else positions
         qkv = self.qkv(x)  # [B, T, KV, group + 2, D]
@@ -93,6 +95,13 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))
         if self.rope_theta is not None:
             q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        out = causal_attention(q, k, v)
+        rules = active_rules()
+        if rules is not None and rules.seq_attention is not None:
+            from jaxpar.layers.context_parallel import sequence_parallel_attention
+
+            out = sequence_parallel_attention(q, k, v, positions, rules, rules.seq_attention,
+                                              rules.parallel.seq_zigzag)
+        else:
+            out = causal_attention(q, k, v, positions, positions)
         out = constrain(out, ("batch", "length", "act_heads", "act_head_dim"))
         return self.o(out)

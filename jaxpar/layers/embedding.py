@@ -63,9 +63,10 @@ class VocabParallelEmbed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         x = jnp.take(self.table(), ids, axis=0).astype(self.dtype)
-        return constrain(x, ("batch", "length", "act_embed"))
+        return constrain(x, ("batch", "res_length", "act_embed"))
 
     def attend(self, x: jax.Array) -> jax.Array:
+        x = constrain(x, ("batch", "length", "act_embed"))  # gathered along the sequence under Megatron-SP
         logits = jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.table().astype(self.dtype))
         return constrain(logits, ("batch", "length", "act_vocab"))
 

@@ -3,8 +3,12 @@
 ``ColumnParallelLinear`` splits its *output* features over ``tensor`` (e.g. QKV, MLP-up): no
 communication. ``RowParallelLinear`` splits its *input* features over ``tensor`` (attention-out,
 MLP-down): each device holds a partial sum, and constraining the output to be replicated over
-``tensor`` makes XLA insert the one all-reduce per block that Megatron prescribes (a
-reduce-scatter when the output is sequence-sharded). Which dims are split is decided by the
+``tensor`` makes XLA insert the one all-reduce per block that Megatron prescribes.
+
+With Megatron sequence parallelism (``parallel.sequence_parallel``) the residual stream is split
+along the sequence over ``tensor``; the two layers then run in a ``shard_map`` with the collectives
+written out: all-gather of the input before a column-parallel matmul, reduce-scatter of the output
+of a row-parallel one (their transposes in the backward are the reverse pair). Which dims are split is decided by the
 logical names and the active :mod:`jaxpar.partitioning` rules, not by these classes.
 """
 
@@ -17,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.partitioning import constrain, constrain_weight, param
+from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 Shape = int | Sequence[int]
 
@@ -53,21 +57,61 @@ class ParallelLinear(nnx.Module):
         self.act_axes = tuple(act_axes) if act_axes is not None else None
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    # Megatron sequence parallelism: "gather" (column: the input arrives split along the sequence
+    # over tensor) or "scatter" (row: the output leaves reduce-scattered along the sequence).
+    seq_mode: str | None = None
+
+    def _matmul(self, x, kernel, bias):
         ni, no = len(self.in_features), len(self.out_features)
         letters = string.ascii_letters
         batch = letters[: x.ndim - ni]
         ins = letters[x.ndim - ni: x.ndim]
         outs = letters[x.ndim: x.ndim + no]
-        kernel = constrain_weight(self.kernel[...], self.kernel_axes)
         y = jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x.astype(self.dtype), kernel.astype(self.dtype))
-        if self.bias is not None:
-            y = y + constrain_weight(self.bias[...], self.bias_axes).astype(self.dtype)
+        return y if bias is None else y + bias.astype(self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        rules = active_rules()
+        if rules is not None and rules.megatron_sp and self.seq_mode is not None:
+            return self._sequence_parallel(x, rules)
+        kernel = constrain_weight(self.kernel[...], self.kernel_axes)
+        bias = None if self.bias is None else constrain_weight(self.bias[...], self.bias_axes)
+        y = self._matmul(x, kernel, bias)
         return constrain(y, self.act_axes) if self.act_axes is not None else y
+
+    def _sequence_parallel(self, x: jax.Array, rules) -> jax.Array:
+        """Explicit Megatron-SP collectives in a shard_map: all-gather the input along the sequence
+        before a column-parallel matmul; reduce-scatter the output of a row-parallel one."""
+        p = rules.params
+        in_act = tuple(_activation_name(a, p) for a in self.kernel_axes[: len(self.in_features)])
+        length = "res_length" if self.seq_mode == "gather" else "length"
+        x_spec = p.spec(("batch", length) + in_act)
+        out_spec = p.spec(self.act_axes)
+        k_spec = rules.compute.spec(self.kernel_axes)
+        b_spec = rules.compute.spec(self.bias_axes)
+
+        def local(x, kernel, bias):
+            if self.seq_mode == "gather":
+                return self._matmul(jax.lax.all_gather(x, "tensor", axis=1, tiled=True), kernel, bias)
+            y = jax.lax.psum_scatter(self._matmul(x, kernel, None), "tensor", scatter_dimension=1, tiled=True)
+            return y if bias is None else y + bias.astype(self.dtype)
+
+        bias = None if self.bias is None else self.bias[...]
+        fn = jax.shard_map(local, mesh=p.mesh, in_specs=(x_spec, k_spec, None if bias is None else b_spec),
+                           out_specs=out_spec)
+        return fn(x, self.kernel[...], bias)
+
+
+def _activation_name(weight_name: str, rules) -> str | None:
+    """The activation logical name matching a weight dim (``mlp`` -> ``act_mlp``), if any."""
+    name = f"act_{weight_name}"
+    return name if name in rules.table else None
 
 
 class ColumnParallelLinear(ParallelLinear):
     """Output features split over ``tensor`` (defaults: ``embed -> mlp``)."""
+
+    seq_mode = "gather"
 
     def __init__(self, in_features: Shape, out_features: Shape, *, in_axes=("embed",), out_axes=("mlp",),
                  act_axes=("batch", "length", "act_mlp"), **kw):
@@ -75,8 +119,11 @@ class ColumnParallelLinear(ParallelLinear):
 
 
 class RowParallelLinear(ParallelLinear):
-    """Input features split over ``tensor`` (defaults: ``mlp -> embed``); output all-reduced."""
+    """Input features split over ``tensor`` (defaults: ``mlp -> embed``); output all-reduced, or
+    reduce-scattered along the sequence under Megatron sequence parallelism."""
+
+    seq_mode = "scatter"
 
     def __init__(self, in_features: Shape, out_features: Shape, *, in_axes=("mlp",), out_axes=("embed",),
-                 act_axes=("batch", "length", "act_embed"), **kw):
+                 act_axes=("batch", "res_length", "act_embed"), **kw):
         super().__init__(in_features, out_features, in_axes=in_axes, out_axes=out_axes, act_axes=act_axes, **kw)
