@@ -60,8 +60,12 @@ def ring_schedule(n: int, zigzag: bool) -> list[list[tuple[str, str]]]:
     return sched
 
 
+@functools.partial(jax.checkpoint, static_argnums=(6,))
 def _update(carry, q, k, v, q_pos, k_pos, scale):
-    """Online-softmax update of (o, m, l) with one K/V block; q [B,Tq,KV,G,D], k/v [B,Tk,KV,D]."""
+    """Online-softmax update of (o, m, l) with one K/V block; q [B,Tq,KV,G,D], k/v [B,Tk,KV,D].
+
+    Rematerialised: the backward recomputes the block's scores instead of keeping them for every
+    ring step, so memory holds one ``[Tq, Tk]`` block at a time (as flash / ring attention do)."""
     o, m, l = carry
     s = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) * scale
     mask = q_pos[:, None] >= k_pos[None, :]
@@ -92,7 +96,7 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
     g = h // kv
     n = jax.lax.axis_size(axis)
     i = jax.lax.axis_index(axis)
-    scale = 1.0 / np.sqrt(d)
+    scale = float(1.0 / np.sqrt(d))
     qg = q.reshape(b, t, kv, g, d)
     carry = (jnp.zeros((b, t, kv, g, d), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
              jnp.zeros((b, kv, g, t), jnp.float32))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.partitioning import constrain, constrain_weight, param
+from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 
 def padded_vocab(vocab_size: int, multiple: int, tensor: int = 1) -> int:
@@ -62,8 +62,28 @@ class VocabParallelEmbed(nnx.Module):
         return constrain_weight(self.embedding[...], ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        rules = active_rules()
+        if rules is not None and rules.megatron_sp:
+            return self._lookup_sequence_parallel(ids, rules)
         x = jnp.take(self.table(), ids, axis=0).astype(self.dtype)
         return constrain(x, ("batch", "res_length", "act_embed"))
+
+    def _lookup_sequence_parallel(self, ids: jax.Array, rules) -> jax.Array:
+        """Megatron-SP lookup: each tensor rank gathers the rows of its vocabulary shard, and a
+        reduce-scatter over ``tensor`` along the sequence both completes the sum and leaves the
+        output split along the sequence (its backward is an all-gather, not a table all-reduce)."""
+        p = rules.params
+
+        def local(ids, table):
+            rows = table.shape[0]
+            local_ids = ids - jax.lax.axis_index("tensor") * rows
+            ok = (local_ids >= 0) & (local_ids < rows)
+            x = jnp.where(ok[..., None], jnp.take(table, jnp.where(ok, local_ids, 0), axis=0), 0)
+            return jax.lax.psum_scatter(x.astype(self.dtype), "tensor", scatter_dimension=1, tiled=True)
+
+        fn = jax.shard_map(local, mesh=p.mesh, in_specs=(p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed"))),
+                           out_specs=p.spec(("batch", "res_length", "act_embed")))
+        return fn(ids, self.embedding[...])
 
     def attend(self, x: jax.Array) -> jax.Array:
         x = constrain(x, ("batch", "length", "act_embed"))  # gathered along the sequence under Megatron-SP
