@@ -1,0 +1,59 @@
+"""Charts: the pipeline schedule as a Gantt chart (stages against iterations).
+
+    python -m jaxpar.plots --stages 4 --microbatches 8 [--repeats 2] --out schedule.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jaxpar.layers.pipeline import bubble_fraction, schedule
+
+
+def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path) -> None:
+    """Forward work of each stage per iteration, coloured by microbatch (hatched: later repeats);
+    white cells are the bubble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = schedule(stages, microbatches, repeats)
+    iters = len(grid[0])
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * iters + 1.5), 0.6 * stages + 1.4))
+    for s, row in enumerate(grid):
+        for t, cell in enumerate(row):
+            if cell is None:
+                continue
+            m, r = cell
+            ax.add_patch(plt.Rectangle((t, stages - 1 - s), 1, 1, facecolor=cmap(m % 20), edgecolor="black",
+                                       hatch="//" if r % 2 else None, linewidth=0.5))
+            ax.text(t + 0.5, stages - 0.5 - s, str(m) if repeats == 1 else f"{m}.{r}", ha="center", va="center",
+                    fontsize=7)
+    ax.set_xlim(0, iters)
+    ax.set_ylim(0, stages)
+    ax.set_yticks([stages - 0.5 - s for s in range(stages)], [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel("iteration")
+    kind = "GPipe" if repeats == 1 else f"circular, {repeats} repeats"
+    ax.set_title(f"{kind}: {stages} stages, {microbatches} microbatches, {iters} iterations, "
+                 f"bubble {100 * bubble_fraction(stages, microbatches, repeats):.1f}%")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, required=True)
+    ap.add_argument("--microbatches", type=int, required=True)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out", default="pipeline_schedule.png")
+    a = ap.parse_args(argv)
+    plot_schedule(a.stages, a.microbatches, a.repeats, a.out)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""All five axes at once (data=2 x pipe=2 x expert=2 x seq=2 x tensor=2 = 32 simulated devices) give
+the loss and gradients of one device. Runs in a subprocess that asks for 32 CPU devices."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = r"""
+import jax, numpy as np
+from helpers import assert_trees_close, batches, config, rel_err, trainer
+def loss_grads(cfg):
+    t = trainer(cfg)
+    state = t.init_state()
+    loss, _, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
+    return float(loss), jax.device_get(grads)
+over = dict(model__n_layers=4, train__batch_size=16)
+ref = loss_grads(config("llama_gqa", **over))
+for attn in ("ring", "ulysses"):
+    got = loss_grads(config("llama_gqa", parallel__data=2, parallel__pipe=2, parallel__expert=2, parallel__seq=2,
+                            parallel__tensor=2, parallel__seq_attention=attn, **over))
+    assert rel_err(got[0], ref[0]) <= 1e-5, (got[0], ref[0])
+    assert_trees_close(got[1], ref[1], 1e-5, f"{attn} grads ")
+    print(attn, "loss", got[0], ref[0])
+print("five axes ok")
+"""
+
+
+def test_five_axes_match_single_device():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(JAX_NUM_CPU_DEVICES="32", JAX_PLATFORMS="cpu")
+    tests = Path(__file__).resolve().parent
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tests)!r})\n" + SCRIPT],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0 and "five axes ok" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
