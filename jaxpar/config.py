@@ -1,7 +1,7 @@
 """Typed run configuration: dataclasses, YAML files and dotted command-line overrides.
 
-A run is configured by one :class:`Config` made of sections (``model``, ``parallel``, ``train``,
-``data``, ``debug``). Values come, in order of precedence, from dotted overrides
+A run is configured by one :class:`Config` made of sections (``model``, ``moe``, ``parallel``,
+``train``, ``data``, ``sample``, ``debug``). Values come, in order of precedence, from dotted overrides
 (``parallel.tensor=4``), a YAML file, and the dataclass defaults. Unknown keys and bad values raise
 :class:`ConfigError` naming the key and the valid choices, before anything is compiled.
 
@@ -53,6 +53,8 @@ class ParallelConfig:
 
 @dataclass
 class ModelConfig:
+    arch: str = _f("gpt", "Model family: gpt (dense decoder) or moe (Mixture-of-Experts decoder; see the moe "
+                          "section).", ("gpt", "moe"))
     style: str = _f("gpt2", "Preset for the unset choices below: gpt2 (learned positions, LayerNorm, GELU, "
                             "tied embeddings, biases) or llama (RoPE, RMSNorm, SwiGLU, untied, no biases).",
                     ("gpt2", "llama"))
@@ -142,6 +144,22 @@ class SampleConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of Experts (used when ``model.arch=moe``)."""
+
+    n_experts: int = _f(8, "Experts per MoE layer (split over parallel.expert, which must divide it).")
+    top_k: int = _f(2, "Experts each token is routed to (<= n_experts).")
+    capacity_factor: float = _f(1.25, "Expert capacity per group of tokens (one device's tokens) = "
+                                      "ceil(top_k * tokens * capacity_factor / n_experts); overflow tokens are dropped.")
+    dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused).")
+    every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).")
+    d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.")
+    renormalize: bool = _f(True, "Renormalise the top_k router probabilities of a token to sum to 1.")
+    aux_loss_weight: float = _f(0.01, "Weight of the Switch load-balancing loss E * sum_i f_i P_i (summed over MoE layers).")
+    z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).")
+
+
+@dataclass
 class DebugConfig:
     dump_hlo: bool = _f(False, "Also write the optimised HLO of the train step as train_step.hlo.txt.")
 
@@ -149,6 +167,7 @@ class DebugConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -341,6 +360,31 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
         raise ConfigError("train.lr must be > 0, train.grad_clip and train.weight_decay >= 0")
+    validate_moe(cfg)
+
+
+def validate_moe(cfg: Config) -> None:
+    """MoE keys (checked only for ``model.arch=moe``)."""
+    if cfg.model.arch != "moe":
+        return
+    e = cfg.moe
+    if e.n_experts <= 0:
+        raise ConfigError(f"moe.n_experts={e.n_experts} must be a positive integer")
+    if not 1 <= e.top_k <= e.n_experts:
+        raise ConfigError(f"moe.top_k={e.top_k} must be between 1 and moe.n_experts={e.n_experts}")
+    if not e.capacity_factor > 0:
+        raise ConfigError(f"moe.capacity_factor={e.capacity_factor} must be > 0 (e.g. 1.25; or set moe.dropless=true)")
+    ep = cfg.parallel.expert
+    if ep > 0 and e.n_experts % ep:
+        divisors = ", ".join(str(d) for d in range(1, e.n_experts + 1) if e.n_experts % d == 0)
+        raise ConfigError(f"moe.n_experts={e.n_experts} is not divisible by parallel.expert={ep}; choose n_experts "
+                          f"a multiple of {ep} or parallel.expert among {divisors}")
+    if e.every <= 0 or cfg.model.n_layers % e.every:
+        raise ConfigError(f"moe.every={e.every} must be positive and divide model.n_layers={cfg.model.n_layers}")
+    if e.d_ff < 0:
+        raise ConfigError(f"moe.d_ff={e.d_ff} must be >= 0 (0 = model.d_ff)")
+    if e.aux_loss_weight < 0 or e.z_loss_weight < 0:
+        raise ConfigError("moe.aux_loss_weight and moe.z_loss_weight must be >= 0")
 
 
 def config_table() -> str:

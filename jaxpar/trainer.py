@@ -76,7 +76,12 @@ class ModelAdapter:
 
 
 class Trainer:
-    """Builds mesh, rules, shardings, optimizer and the compiled train step for a :class:`Config`."""
+    """Builds mesh, rules, shardings, optimizer and the compiled train step for a :class:`Config`.
+
+    ``build_model(cfg, tensor=, seed=)`` creates the model; by default the ``model.arch`` registry of
+    :mod:`models`. Its ``loss(inputs, targets)`` returns ``(loss, metrics)``; a ``ce_loss`` metric, when
+    present, is what evaluation reports (the loss may carry auxiliary terms).
+    """
 
     def __init__(self, cfg: Config, mesh=None, build_model=None):
         self.cfg = cfg
@@ -86,9 +91,9 @@ class Trainer:
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes)
         self.rules = make_rules(cfg.parallel, self.mesh)
         if build_model is None:
-            from models.gpt import build_model
+            from models import build_model
         tensor, seed = self.sizes["tensor"], cfg.train.seed
-        self.adapter = ModelAdapter(lambda: build_model(cfg.model, tensor=tensor, seed=seed))
+        self.adapter = ModelAdapter(lambda: build_model(cfg, tensor=tensor, seed=seed))
         axes, abstract = self.adapter.axes, self.adapter.abstract
 
         def specs(rules):
@@ -207,9 +212,13 @@ class Trainer:
 
     # -- evaluation ------------------------------------------------------------------------------
     def eval_loss(self, params: dict, batch: dict) -> jax.Array:
-        """Mean loss of a batch (no gradients); compiled once for the batch shape."""
+        """Mean loss (``ce_loss`` when the model reports it) of a batch, without gradients; compiled once."""
+        def ce(p, b):
+            loss, aux = self.loss_fn(p, b)
+            return aux.get("ce_loss", loss)
+
         if not hasattr(self, "_eval_jit"):
-            self._eval_jit = jax.jit(lambda p, b: self.loss_fn(p, b)[0],
+            self._eval_jit = jax.jit(ce,
                                      in_shardings=(self.state_shardings["params"], self.batch_sharding))
         return self._eval_jit(params, batch)
 

@@ -1,5 +1,20 @@
-"""Model definitions built from :mod:`jaxpar.layers`."""
+"""Model definitions built from :mod:`jaxpar.layers`, and the ``model.arch`` registry."""
 
-from models.gpt import GPT, Block, build_model
+from flax import nnx
 
-__all__ = ["GPT", "Block", "build_model"]
+from jaxpar.config import Config
+from models.gpt import GPT, Block
+from models.moe import MoETransformer
+
+ARCHS = {
+    "gpt": lambda cfg, tensor, rngs: GPT(cfg.model, tensor=tensor, rngs=rngs),
+    "moe": lambda cfg, tensor, rngs: MoETransformer(cfg.model, cfg.moe, tensor=tensor, rngs=rngs),
+}
+
+
+def build_model(cfg: Config, *, tensor: int = 1, seed: int = 0) -> nnx.Module:
+    """The model ``cfg.model.arch`` names (``tensor`` pads the vocabulary; ``seed`` draws the weights)."""
+    return ARCHS[cfg.model.arch](cfg, tensor, nnx.Rngs(seed))
+
+
+__all__ = ["ARCHS", "GPT", "Block", "MoETransformer", "build_model"]

@@ -41,9 +41,12 @@ def compute_dtype(cfg: ModelConfig):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: attention and MLP with residuals."""
+    """Pre-norm transformer block: attention and MLP with residuals.
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    ``ffn(rngs)`` may build another feed-forward module in place of the MLP (e.g. a MoE layer).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, ffn=None):
         pd = DTYPES[cfg.param_dtype]
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         norm = dict(eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
@@ -52,8 +55,9 @@ class Block(nnx.Module):
                               rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
                               init_std=cfg.init_std, out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs)
         self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, use_bias=cfg.bias, init_std=cfg.init_std,
-                       out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs)
+        self.mlp = (ffn(rngs) if ffn is not None else
+                    MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, use_bias=cfg.bias, init_std=cfg.init_std,
+                        out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x = x + self.attn(self.norm1(x), positions)
@@ -72,17 +76,22 @@ def stacked(make, n: int, rngs: nnx.Rngs):
     return create(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none") -> jax.Array:
-    """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), optionally rematerialised."""
+def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", outputs: bool = False):
+    """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), optionally rematerialised.
+
+    With ``outputs=True`` each block returns ``(x, y)`` and the result is ``(x, ys)``, the ``y`` stacked
+    on a leading layer dim.
+    """
     graphdef, state = nnx.split(blocks)
 
     def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, *args), None
+        out = nnx.merge(graphdef, layer_state)(h, *args)
+        return out if outputs else (out, None)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, state)
-    return x
+    x, ys = jax.lax.scan(body, x, state)
+    return (x, ys) if outputs else x
 
 
 class GPT(nnx.Module):
@@ -98,7 +107,7 @@ class GPT(nnx.Module):
         self.pos_embed = (param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq_len, cfg.d_model), pd),
                                 ("positions", "embed"))
                           if cfg.positions == "learned" else None)
-        self.blocks = stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
+        self.blocks = self.make_blocks(cfg, dtype, rngs)
         self.norm_f = make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
         vp = self.embed.padded_size
         self.head = (None if cfg.tie_embeddings else
@@ -106,6 +115,14 @@ class GPT(nnx.Module):
                                           use_bias=False, dtype=dtype, param_dtype=pd, rngs=rngs,
                                           kernel_init=padded_init(nnx.initializers.normal(cfg.init_std),
                                                                   cfg.vocab_size, axis=1)))
+
+    def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The stacked layers between embedding and head (a subclass may build others, e.g. MoE)."""
+        return stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
+
+    def apply_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""
+        return scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
 
     def forward(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         """Logits ``[B, T, vocab_padded]`` for ``tokens`` at global ``positions [T]`` (any order)."""
@@ -116,7 +133,7 @@ class GPT(nnx.Module):
         if self.pos_embed is not None:
             pos = jnp.take(constrain_weight(self.pos_embed[...], ("positions", "embed")), positions, axis=0)
             x = constrain(x + pos.astype(self.dtype), ("batch", "res_length", "act_embed"))
-        x = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
+        x = self.apply_blocks(x, positions)
         x = self.norm_f(x)
         return self.embed.attend(x) if self.head is None else self.head(x)
 

@@ -1,0 +1,207 @@
+"""Mixture of Experts with expert parallelism over the ``expert`` mesh axis.
+
+Math, for one *group* of ``G`` tokens ``x_t`` (a group is the tokens one device holds):
+
+    logits = x W_r                        [G, E]  (float32), probs p = softmax(logits)
+    (g_tj, e_tj)_{j<k} = top_k(p_t)       gates and expert ids; g_t /= sum_j g_tj if renormalize
+    C = min(G, ceil(k G capacity_factor / E))     capacity of each expert (C = G when dropless)
+    pos_tj = #{(s, i) before (t, j) in token-major order (s, then i) with e_si = e_tj}
+    y_t = sum_j [pos_tj < C] g_tj FFN_{e_tj}(x_t)
+    FFN_e(x) = gelu(x W1_e) W2_e   or   (silu(x Wg_e) * (x Wu_e)) W2_e          (no biases)
+
+An assignment beyond an expert's capacity is *dropped*: its term is 0, so a token all of whose
+assignments are dropped passes through the block's residual unchanged. The first assignments in
+token order are kept. Because capacity is per group, the result depends on the grouping (the mesh)
+only when something is dropped; with enough capacity (or ``dropless``) every mesh computes the
+same function as one device.
+
+Auxiliary losses, computed over the *whole* batch (group statistics averaged over the token-
+splitting mesh axes, so they are the same on every mesh):
+
+    balance = E sum_i f_i P_i    f_i = share of the k*N assignments routed to expert i (before
+                                 dropping; no gradient), P_i = mean_t p_ti      (Switch; 1 = uniform)
+    z       = mean_t (logsumexp_i logits_ti)^2                                 (ST-MoE router z-loss)
+
+Communication (inside ``jax.shard_map``, manual over the axes that split tokens: ``batch`` and
+``length`` rules, e.g. ``data``, ``expert``, ``seq``; over the ``experts`` axis; and over the
+``mlp`` axis, ``tensor``):
+
+1. each device scatters its assignments into a capacity-padded buffer ``[E, C, d_model]``;
+2. all-to-all over ``expert``: the slice of experts ``e`` goes to the device holding ``e``, which
+   receives ``[E/ep, ep*C, d_model]`` (its experts' slots from every device of its ``expert`` group);
+3. the local experts run (weights ``[E/ep, d_model, d_ff/tensor]``: experts split over ``expert``,
+   hidden units over ``tensor``);
+4. a second all-to-all returns the results ``[E, C, d_model]``; each token gathers its k slots and
+   sums them with its gates; under tensor parallelism one psum over ``tensor`` of ``[G, d_model]``
+   completes the row-parallel down-projection (Megatron).
+
+Each all-to-all moves ``E*C*d_model ~= k*G*capacity_factor*d_model`` elements per device and
+direction (forward and backward each do two). Tokens stay on their data/expert device otherwise;
+replicas over ``data`` hold the same experts, and their gradients are summed by ``shard_map``'s
+transpose. The all-to-all here is the dense (capacity-padded) ``jax.lax.all_to_all``, which every
+backend runs; a ragged (dropless, unpadded) exchange is not implemented.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError
+from jaxpar.partitioning import active_rules, param
+
+
+def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float, dropless: bool = False) -> int:
+    """Slots per expert for a group of ``tokens``: ``min(tokens, ceil(k * tokens * cf / E))`` (``tokens`` if
+    dropless; a token uses an expert at most once, so ``tokens`` slots never drop)."""
+    if dropless:
+        return tokens
+    return max(1, min(tokens, math.ceil(top_k * tokens * capacity_factor / n_experts - 1e-9)))
+
+
+class Routing(NamedTuple):
+    """Top-k routing of a group of ``G`` tokens to ``E`` experts with capacity ``C``."""
+
+    probs: jax.Array    # [G, E] router softmax (float32)
+    gates: jax.Array    # [G, k] weights of the chosen experts (renormalised if asked)
+    experts: jax.Array  # [G, k] chosen expert ids, best first
+    keep: jax.Array     # [G, k] the assignment fits in its expert's capacity
+    slot: jax.Array     # [G, k] row in the flat [E*C] buffer: expert*C + position; E*C when dropped
+    counts: jax.Array   # [E] assignments routed to each expert (before dropping)
+
+
+def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True) -> Routing:
+    """Softmax, top-k, and the capacity positions in token-major order (token t's choices before t+1's)."""
+    g, e = logits.shape
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gates, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [G, k, E]
+    before = jnp.cumsum(onehot.reshape(g * top_k, e), axis=0).reshape(g, top_k, e) - 1
+    pos = jnp.sum(before * onehot, axis=-1)                                   # [G, k]
+    keep = pos < capacity
+    slot = jnp.where(keep, experts * capacity + pos, e * capacity)
+    return Routing(probs, gates, experts, keep, slot, jnp.sum(onehot, axis=(0, 1)))
+
+
+class _Axes(NamedTuple):
+    tokens: tuple = ()   # mesh axes splitting the tokens (groups)
+    expert: tuple = ()   # mesh axes splitting the experts (a subset of tokens)
+    tensor: tuple = ()   # mesh axes splitting the expert hidden units
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts with capacity; ``apply(x) -> (y, stats)`` (see the module docstring).
+
+    ``stats``: ``aux_loss`` (balance), ``z_loss``, ``drop_fraction`` (dropped share of the k*N
+    assignments) and ``expert_load`` ``[E]`` (assignments routed to each expert over the whole
+    batch). Parameters: ``router [embed, E]`` (replicated), ``w_in [experts, embed, (2,) mlp]``,
+    ``w_out [experts, mlp, embed]``.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
+                 dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
+                 out_init_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if kind not in ("gelu", "swiglu"):
+            raise ValueError(f"unknown expert kind {kind!r}; choose gelu or swiglu")
+        if not 1 <= top_k <= n_experts:
+            raise ConfigError(f"moe.top_k={top_k} must be between 1 and moe.n_experts={n_experts}")
+        if not dropless and not capacity_factor > 0:
+            raise ConfigError(f"moe.capacity_factor={capacity_factor} must be > 0")
+        self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
+        self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
+        self.dtype = dtype
+        init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
+        self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", None))
+        if kind == "swiglu":
+            self.in_axes = ("experts", "embed", "fused", "mlp")
+            w_in = init(rngs.params(), (n_experts, d_model, 2, d_ff), param_dtype)
+        else:
+            self.in_axes = ("experts", "embed", "mlp")
+            w_in = init(rngs.params(), (n_experts, d_model, d_ff), param_dtype)
+        self.out_axes = ("experts", "mlp", "embed")
+        self.w_in = param(w_in, self.in_axes)
+        self.w_out = param(out_init(rngs.params(), (n_experts, d_ff, d_model), param_dtype), self.out_axes)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        return self.apply(x)
+
+    # -- placement ----------------------------------------------------------------------------
+    def apply(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        """``x [B, T, d_model]`` -> ``(y [B, T, d_model], stats)``; distributed under active rules."""
+        weights = (self.router[...], self.w_in[...], self.w_out[...])
+        rules = active_rules()
+        mesh = None if rules is None else rules.mesh
+        if mesh is None:
+            return self._local(x, *weights, ax=_Axes())
+        big = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)  # noqa: E731
+        tensor = big(rules.compute.axes("mlp"))
+        batch = tuple(a for a in big(rules.params.axes("batch")) if a not in tensor)
+        length = tuple(a for a in big(rules.params.axes("length")) if a not in tensor)
+        expert = big(rules.compute.axes("experts"))
+        if not set(expert) <= set(batch + length):
+            raise ConfigError(f"expert parallelism needs the experts axes {expert} to split the tokens too "
+                              f"(the batch rule maps to {batch})")
+        ax = _Axes(batch + length, expert, tensor)
+        manual = set(ax.tokens) | set(expert) | set(tensor)
+        if not manual:
+            return self._local(x, *weights, ax=ax)
+        x_spec = P(_entry(batch), _entry(length))
+        w_specs = tuple(rules.compute.spec(n, w.shape, "MoE weight")
+                        for n, w in zip((("embed", None), self.in_axes, self.out_axes), weights))
+        stats_spec = {k: P() for k in ("aux_loss", "z_loss", "drop_fraction", "expert_load")}
+        fn = jax.shard_map(lambda *a: self._local(*a, ax=ax), mesh=mesh, in_specs=(x_spec, *w_specs),
+                           out_specs=(x_spec, stats_spec), axis_names=manual, check_vma=True)
+        return fn(x, *weights)
+
+    # -- one device's work --------------------------------------------------------------------
+    def _local(self, x, w_router, w_in, w_out, *, ax: _Axes):
+        b, t, d = x.shape
+        g, e, k = b * t, self.n_experts, self.top_k
+        cap = expert_capacity(g, e, k, self.capacity_factor, self.dropless)
+        xt = x.reshape(g, d)
+        logits = jnp.einsum("gd,de->ge", xt.astype(jnp.float32), w_router.astype(jnp.float32))
+        r = route(logits, k, cap, self.renormalize)
+        # dispatch: every kept assignment copies its token into its expert's slot (dropped: index E*C, discarded)
+        rows = jnp.broadcast_to(xt.astype(self.dtype)[:, None, :], (g, k, d))
+        buf = jnp.zeros((e * cap, d), self.dtype).at[r.slot].add(rows, mode="drop").reshape(e, cap, d)
+        if ax.expert:  # [E, C, d] -> [E/ep, ep*C, d]: my experts' slots from every device of my expert group
+            buf = jax.lax.all_to_all(buf, ax.expert, split_axis=0, concat_axis=1, tiled=True)
+        out = self._experts(buf, w_in, w_out)
+        if ax.expert:  # and back: [E/ep, ep*C, d] -> [E, C, d]
+            out = jax.lax.all_to_all(out, ax.expert, split_axis=1, concat_axis=0, tiled=True)
+        # combine: each token sums its k slots weighted by its gates (dropped slots read 0)
+        picked = jnp.take(out.reshape(e * cap, d), r.slot, axis=0, mode="fill", fill_value=0)
+        weights = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
+        y = jnp.einsum("gkd,gk->gd", picked, weights)
+        if ax.tensor:  # the row-parallel down-projection's partial sums
+            y = jax.lax.psum(y, ax.tensor)
+        return y.reshape(b, t, d).astype(x.dtype), self._stats(logits, r, ax.tokens)
+
+    def _experts(self, buf, w_in, w_out):
+        """``buf [E_local, N, d]`` through each local expert's FFN."""
+        h = jnp.einsum("end,ed...->en...", buf, w_in.astype(self.dtype))
+        h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if self.kind == "swiglu" else jax.nn.gelu(h, approximate=True)
+        return jnp.einsum("enf,efd->end", h, w_out.astype(self.dtype))
+
+    def _stats(self, logits, r: Routing, token_axes: tuple) -> dict:
+        g, e, k = logits.shape[0], self.n_experts, self.top_k
+        mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else (lambda v: v)
+        total = (lambda v: jax.lax.psum(v, token_axes)) if token_axes else (lambda v: v)
+        counts = r.counts.astype(jnp.float32)
+        f = jax.lax.stop_gradient(mean(counts / (g * k)))
+        p_mean = mean(jnp.mean(r.probs, axis=0))
+        z = mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))))
+        dropped = mean(1.0 - jnp.mean(r.keep.astype(jnp.float32)))
+        return {"aux_loss": e * jnp.sum(f * p_mean), "z_loss": z, "drop_fraction": dropped,
+                "expert_load": total(counts)}

@@ -1,0 +1,113 @@
+"""A Mixture-of-Experts decoder (Mixtral / Switch style) that shares everything but the feed-forward
+with :mod:`models.gpt`.
+
+    x = embed(tokens) (+ learned positions)                       # GPT's
+    for each of n_layers / every groups (stacked weights, lax.scan):
+        every - 1 dense blocks (GPT's Block, an inner lax.scan):  x = x + attn(norm1(x)); x = x + mlp(norm2(x))
+        one MoE block:                                            x = x + attn(norm1(x)); x = x + moe(norm2(x))
+    logits = head(norm_f(x))                                      # GPT's
+    loss = CE + aux_loss_weight * sum_layers balance + z_loss_weight * sum_layers z
+
+``moe.every = 1`` makes every layer MoE (Mixtral); ``every = 2`` alternates dense and MoE (Switch),
+the MoE layers being the last of each group. The MoE layer (:class:`jaxpar.layers.MoE`) routes each
+token to its top-k experts, which live split over the ``expert`` mesh axis and are reached by
+all-to-all; attention, norms, embeddings and dense MLPs are GPT's and use ``expert`` as extra data
+parallelism (the ``batch`` rule maps to ``data, expert``).
+
+Tokens are routed in groups: the tokens one device holds. Capacity is per group and expert, so
+which tokens drop depends on the mesh; with enough capacity (or ``moe.dropless``) nothing drops and
+every mesh computes the one-device function.
+
+``loss`` returns the total loss and metrics: ``ce_loss``, ``moe_aux_loss`` and ``moe_z_loss`` (per MoE
+layer, averaged over layers; the loss adds their layer *sums* times the weights),
+``moe_drop_fraction`` (dropped share of token-expert assignments) and ``moe_expert_load`` (a vector:
+assignments routed to each expert per MoE layer, over the batch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import MoEConfig, ModelConfig
+from jaxpar.layers import MoE
+from jaxpar.partitioning import constrain
+from models.gpt import DTYPES, GPT, Block, scan_blocks, stacked
+
+
+class MoEBlock(Block):
+    """GPT's pre-norm block with the MLP replaced by a :class:`~jaxpar.layers.MoE` layer;
+    ``__call__`` returns ``(x, stats)``."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+        def experts(r):
+            return MoE(cfg.d_model, moe.d_ff or cfg.d_ff, moe.n_experts, moe.top_k,
+                       capacity_factor=moe.capacity_factor, dropless=moe.dropless, renormalize=moe.renormalize,
+                       kind=cfg.mlp, init_std=cfg.init_std, out_init_std=out_std, dtype=dtype,
+                       param_dtype=DTYPES[cfg.param_dtype], rngs=r)
+
+        super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        x = x + self.attn(self.norm1(x), positions)
+        y, stats = self.mlp(self.norm2(x))
+        return constrain(x + y, ("batch", "res_length", "act_embed")), stats
+
+
+class MoEGroup(nnx.Module):
+    """``every - 1`` dense blocks (stacked, scanned) followed by one MoE block."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.dense = (stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), moe.every - 1, rngs)
+                      if moe.every > 1 else None)
+        self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+        if self.dense is not None:
+            x = scan_blocks(self.dense, x, positions)
+        return self.moe(x, positions)
+
+
+class MoETransformer(GPT):
+    """GPT with ``n_layers / every`` groups of [dense..., MoE] blocks in place of its dense stack."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, tensor: int = 1, rngs: nnx.Rngs):
+        if moe.every <= 0 or cfg.n_layers % moe.every:
+            raise ValueError(f"moe.every={moe.every} must divide model.n_layers={cfg.n_layers}")
+        self.moe_cfg = moe
+        super().__init__(cfg, tensor=tensor, rngs=rngs)
+
+    def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        groups = cfg.n_layers // self.moe_cfg.every
+        return stacked(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r), groups, rngs)
+
+    def apply_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x, stats = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat, outputs=True)
+        # GPT's forward returns only the logits: the router statistics ([groups] / [groups, E]) leave
+        # through Flax's intermediates, collected by nnx.capture in loss / __call__.
+        self.sow(nnx.Intermediate, "moe_stats", stats)
+        return x
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return nnx.capture(super().__call__, nnx.Intermediate)(tokens)[0]
+
+    def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
+        """Cross-entropy plus the weighted router losses; metrics as in the module docstring."""
+        (ce, metrics), inter = nnx.capture(super().loss, nnx.Intermediate)(tokens, targets)
+        stats = inter["moe_stats"][0]  # the one sown tuple entry
+        m = self.moe_cfg
+        aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
+        n = stats["aux_loss"].shape[0]
+        total = ce + m.aux_loss_weight * aux + m.z_loss_weight * z
+        return total, {**metrics, "ce_loss": ce, "moe_aux_loss": aux / n, "moe_z_loss": z / n,
+                       "moe_drop_fraction": jnp.mean(stats["drop_fraction"]),
+                       "moe_expert_load": jnp.mean(stats["expert_load"], axis=0)}
+
+
+def build_model(cfg: ModelConfig, moe: MoEConfig, *, tensor: int = 1, seed: int = 0) -> MoETransformer:
+    return MoETransformer(cfg, moe, tensor=tensor, rngs=nnx.Rngs(seed))

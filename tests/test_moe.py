@@ -1,0 +1,314 @@
+"""Mixture of Experts: the layer against an independent per-token reference (float64), token dropping
+on a hand-built routing, the MoE model on expert-parallel meshes against one device, the all-to-all
+bytes against the capacity formula, the expert-weight split, metrics and config errors."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import assert_trees_close, batches, config, rel_err, trainer
+from jaxpar.config import ConfigError, load_config
+from jaxpar.layers import MoE, expert_capacity
+from jaxpar.mesh import make_mesh
+from jaxpar.partitioning import make_rules, use_rules
+
+F32 = 4
+D, F, E = 16, 24, 8
+
+
+# --- an independent reference: a Python loop over groups, tokens and their top-k experts ----------
+
+def _gelu(h):
+    return 0.5 * h * (1 + jnp.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+
+
+def _ffn(p, e, x, kind):
+    if kind == "swiglu":
+        a, b = x @ p["w_in"][e][:, 0, :], x @ p["w_in"][e][:, 1, :]
+        h = a / (1 + jnp.exp(-a)) * b
+    else:
+        h = _gelu(x @ p["w_in"][e])
+    return h @ p["w_out"][e]
+
+
+def reference(p: dict, x: np.ndarray, *, groups: int, k: int, cf: float, renormalize=True, kind="gelu",
+              dropless=False):
+    """float64 numpy routing decisions, then a differentiable per-token sum over the kept experts.
+
+    Group g is rows ``[g*B/groups, (g+1)*B/groups)`` of ``x [B, T, D]`` (one device's tokens), read in
+    row-major token order; an expert takes the first ``C`` assignments of its group, in token order
+    and, within a token, best expert first. Returns ``(f(p, x) -> y, stats)``.
+    """
+    b, t, d = x.shape
+    xs = np.asarray(x, np.float64).reshape(b * t, d)
+    wr = np.asarray(p["router"], np.float64)
+    n_exp = wr.shape[1]
+    g = b * t // groups
+    cap = g if dropless else min(g, math.ceil(k * g * cf / n_exp))
+    plan, load, dropped = [], np.zeros(n_exp), 0
+    for grp in range(groups):
+        used = np.zeros(n_exp, int)
+        for i in range(grp * g, (grp + 1) * g):
+            logits = xs[i] @ wr
+            pr = np.exp(logits - logits.max())
+            order = np.argsort(-pr / pr.sum(), kind="stable")[:k]
+            kept = []
+            for e in order:
+                load[e] += 1
+                if used[e] < cap:
+                    used[e] += 1
+                    kept.append(int(e))
+                else:
+                    dropped += 1
+            plan.append((i, [int(e) for e in order], kept))
+    logits = xs @ wr
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    f = load / (b * t * k)
+    lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    stats = {"aux_loss": n_exp * np.sum(f * probs.mean(0)), "z_loss": np.mean(lse ** 2),
+             "drop_fraction": dropped / (b * t * k), "expert_load": load}
+
+    def fn(p, x):
+        xs = x.reshape(b * t, d)
+        out = []
+        for i, order, kept in plan:
+            z = xs[i] @ p["router"]
+            pr = jnp.exp(z - jnp.max(z))
+            pr = pr / jnp.sum(pr)
+            gates = pr[jnp.array(order)]
+            if renormalize:
+                gates = gates / jnp.sum(gates)
+            y = jnp.zeros(d, x.dtype)
+            for j, e in enumerate(order):
+                if e in kept:
+                    y = y + gates[j] * _ffn(p, e, xs[i], kind)
+            out.append(y)
+        return jnp.stack(out).reshape(b, t, d)
+
+    return fn, stats
+
+
+def _layer(k=2, cf=1.0, kind="gelu", seed=0, **kw):
+    return MoE(D, F, E, k, capacity_factor=cf, kind=kind, rngs=nnx.Rngs(seed), **kw)
+
+
+def _params(m):
+    return {"router": m.router[...], "w_in": m.w_in[...], "w_out": m.w_out[...]}
+
+
+def _run_layer(m, x, ct, mesh_over=None, n_dev=None):
+    """``(y, stats, grads of sum(y * ct) wrt (params, x))`` of the layer, on a mesh if asked."""
+    graphdef, _ = nnx.split(m)
+    rules = None
+    if mesh_over:
+        par = load_config(None, mesh_over).parallel
+        rules = make_rules(par, make_mesh(par, jax.devices()[:n_dev]))
+
+    def f(p, x):
+        mod = nnx.merge(graphdef, nnx.State({"router": nnx.Param(p["router"]), "w_in": nnx.Param(p["w_in"]),
+                                             "w_out": nnx.Param(p["w_out"])}))
+        with use_rules(rules):
+            y, stats = mod.apply(x)
+        return jnp.sum(y * ct), (y, stats)
+
+    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(_params(m), x)
+    return y, stats, grads
+
+
+def _reference_run(m, x, ct, groups, **kw):
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), _params(m))
+    fn, stats = reference(p64, np.asarray(x), groups=groups, k=m.top_k, cf=m.capacity_factor, kind=m.kind,
+                          renormalize=m.renormalize, dropless=m.dropless, **kw)
+    with jax.enable_x64(True):
+        p, xx, c = jax.tree.map(jnp.asarray, p64), jnp.asarray(x, jnp.float64), jnp.asarray(ct, jnp.float64)
+        y = fn(p, xx)
+        grads = jax.grad(lambda p, x: jnp.sum(fn(p, x) * c), argnums=(0, 1))(p, xx)
+        return np.asarray(y), stats, jax.tree.map(np.asarray, grads)
+
+
+CASES = {  # name: (layer options, mesh overrides, devices, groups = devices splitting the tokens)
+    "one_device_no_drop": (dict(k=2, cf=4.0), None, 1, 1),
+    "one_device_drop": (dict(k=2, cf=0.5), None, 1, 1),
+    "swiglu_top1_drop": (dict(k=1, cf=0.75, kind="swiglu", renormalize=False), None, 1, 1),
+    "expert8_drop": (dict(k=2, cf=0.6), ["parallel.expert=8"], 8, 8),
+    "data2_expert4_drop": (dict(k=2, cf=0.6), ["parallel.data=2", "parallel.expert=4"], 8, 8),
+    "data2_expert2_tensor2_drop": (dict(k=2, cf=0.6, kind="swiglu"),
+                                   ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"], 8, 4),
+    "expert4_dropless": (dict(k=3, cf=0.1, dropless=True), ["parallel.expert=4"], 4, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_matches_per_token_reference(case):
+    opts, over, n_dev, groups = CASES[case]
+    m = _layer(**opts)
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(8, 4, D)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(8, 4, D)), jnp.float32)
+    y, stats, grads = _run_layer(m, x, ct, over, n_dev)
+    y_ref, stats_ref, grads_ref = _reference_run(m, x, ct, groups)
+    assert rel_err(y, y_ref) <= 1e-5
+    assert_trees_close(jax.device_get(grads), grads_ref, 1e-5, f"{case} grads ")
+    for key in ("aux_loss", "z_loss", "drop_fraction", "expert_load"):
+        np.testing.assert_allclose(np.asarray(stats[key]), stats_ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    if "no_drop" in case or "dropless" in case:
+        assert stats_ref["drop_fraction"] == 0
+    else:
+        assert stats_ref["drop_fraction"] > 0.05  # the dropping path is exercised
+
+
+def _forced_layer(k: int):
+    """Every token prefers expert 2, then expert 1 (x[..., 0] = 1 and a large router weight)."""
+    m = MoE(D, F, 4, k, capacity_factor=1.0, rngs=nnx.Rngs(0))
+    w = np.asarray(m.router[...]) * 0.01
+    w[0, 2], w[0, 1] = 20.0, 10.0
+    m.router[...] = jnp.asarray(w)
+    return m
+
+
+@pytest.mark.parametrize("k, keep", [(1, 4), (2, 8)])
+def test_overflow_drops_the_last_tokens_of_the_group(k, keep):
+    """16 tokens, 4 experts, capacity ceil(k*16/4): expert 2 (and for k=2 expert 1) takes the first
+    `keep` tokens in token order; the others get an MoE output of exactly 0."""
+    m = _forced_layer(k)
+    x = np.random.default_rng(0).normal(size=(2, 8, D)).astype(np.float32)
+    x[..., 0] = 1.0
+    y, stats = m.apply(jnp.asarray(x))
+    y = np.asarray(y).reshape(16, D)
+    assert expert_capacity(16, 4, k, 1.0) == keep
+    assert np.all(np.abs(y[:keep]).sum(-1) > 0)
+    assert np.all(y[keep:] == 0.0)
+    assert float(stats["drop_fraction"]) == pytest.approx((16 - keep) / 16)
+    load = np.asarray(stats["expert_load"])
+    assert load[2] == 16 and load[1] == (16 if k == 2 else 0)
+
+
+def test_overflow_on_a_mesh_is_per_device_group():
+    """data=2 x expert=2: each device's 4 tokens (one row) form a group with capacity 1 on expert 2,
+    so exactly the first token of every row is kept."""
+    m = _forced_layer(1)
+    x = np.random.default_rng(0).normal(size=(4, 4, D)).astype(np.float32)
+    x[..., 0] = 1.0
+    ct = np.ones_like(x)
+    y, stats, _ = _run_layer(m, jnp.asarray(x), jnp.asarray(ct), ["parallel.data=2", "parallel.expert=2"], 4)
+    y = np.asarray(y)
+    assert np.all(np.abs(y[:, 0]).sum(-1) > 0) and np.all(y[:, 1:] == 0.0)
+    assert float(stats["drop_fraction"]) == pytest.approx(0.75)
+
+
+# --- the MoE model on expert-parallel meshes equals one device ------------------------------------
+
+MOE = dict(model__arch="moe", moe__n_experts=8, moe__top_k=2, moe__capacity_factor=4.0, moe__d_ff=64)
+LAYOUTS = {
+    "expert2": ("gpt2", dict(parallel__expert=2)),
+    "expert4": ("gpt2", dict(parallel__expert=4)),
+    "expert8": ("gpt2", dict(parallel__expert=8)),
+    "data2_expert4": ("gpt2", dict(parallel__data=2, parallel__expert=4)),
+    "expert2_tensor2_data2": ("llama", dict(parallel__data=2, parallel__expert=2, parallel__tensor=2)),
+}
+_REF = {}
+
+
+def _loss_grads(cfg):
+    t = trainer(cfg)
+    state = t.init_state()
+    loss, aux, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
+    return float(loss), jax.device_get(aux), jax.device_get(grads), jax.device_get(state["params"])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_moe_model_matches_single_device(layout):
+    """Capacity factor 4 = E/k: capacity = all tokens of a group, nothing drops, so grouping by
+    device does not matter and the loss, router metrics and gradients equal the 1-device run."""
+    style, over = LAYOUTS[layout]
+    if style not in _REF:
+        _REF[style] = _loss_grads(config(style, **MOE))
+    ref = _REF[style]
+    got = _loss_grads(config(style, **MOE, **over))
+    assert_trees_close(got[3], ref[3], 0.0, "initial params ")
+    assert rel_err(got[0], ref[0]) <= 1e-5
+    assert float(got[1]["moe_drop_fraction"]) == 0.0
+    for key in ("ce_loss", "moe_aux_loss", "moe_z_loss", "moe_expert_load"):
+        assert rel_err(got[1][key], ref[1][key]) <= 1e-5, key
+    assert_trees_close(got[2], ref[2], 1e-5, "grads ")
+    assert float(ref[0]) > float(ref[1]["ce_loss"])  # the router losses are part of the loss
+
+
+# --- the compiled step: all-to-alls over `expert` of the capacity formula's size ------------------
+
+def test_all_to_all_bytes_match_capacity_formula_and_experts_are_split():
+    cfg = config("gpt2", **dict(MOE, moe__capacity_factor=1.25, moe__every=2), model__n_layers=4,
+                 parallel__data=2, parallel__expert=4)
+    t = trainer(cfg)
+    coll = t.compile()["collectives"]
+    a2a = coll["all-to-all"]
+    tokens = cfg.train.batch_size * cfg.model.seq_len // 8  # per device (one routing group)
+    k, cf, d = cfg.moe.top_k, cfg.moe.capacity_factor, cfg.model.d_model
+    per_direction = tokens * k * cf * d * F32
+    moe_layers = cfg.model.n_layers // cfg.moe.every
+    assert list(a2a["by_axes"]) == ["expert"], a2a
+    # per MoE layer: dispatch + combine forward, and their transposes backward
+    assert a2a["count"] == 4 * moe_layers, a2a
+    assert abs(a2a["max_bytes"] / per_direction - 1) < 0.05, (a2a["max_bytes"], per_direction)
+    assert abs(a2a["bytes"] / (4 * moe_layers * per_direction) - 1) < 0.05
+    # the experts of each MoE layer are split over `expert`: 1/4 of their bytes per device
+    params = t.abstract_state["params"]["blocks"]["moe"]["mlp"]
+    for name in ("w_in", "w_out"):
+        a = params[name]
+        whole = math.prod(a.shape) * F32
+        assert math.prod(a.sharding.shard_shape(a.shape)) * F32 * 4 == whole
+    # dense layers use `expert` as data parallelism: an attention weight is replicated
+    qkv = t.abstract_state["params"]["blocks"]["moe"]["attn"]["qkv"]["kernel"]
+    assert qkv.sharding.shard_shape(qkv.shape) == qkv.shape
+
+
+# --- metrics and configuration ---------------------------------------------------------------------
+
+def test_run_writes_moe_metrics(tmp_path):
+    from jaxpar.run import run
+
+    cfg = config("gpt2", **MOE, parallel__data=2, parallel__expert=4, train__steps=2, train__log_every=1,
+                 train__out_dir=str(tmp_path), sample__tokens=0)
+    run(cfg, mesh=make_mesh(cfg.parallel, jax.devices()[:8]), log=lambda *_: None)
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1]
+    for r in recs:
+        load = r["moe_expert_load"]
+        assert isinstance(load, list) and len(load) == 8
+        # every token makes k assignments in each MoE layer
+        assert sum(load) == pytest.approx(cfg.train.batch_size * cfg.model.seq_len * cfg.moe.top_k)
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_drop_fraction", "ce_loss"):
+            assert isinstance(r[key], float)
+        assert 0.5 < r["moe_aux_loss"] < 2.0  # E sum_i f_i P_i: 1 when balanced
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("over, needle", [
+    (["moe.n_experts=6", "parallel.expert=4"], "moe.n_experts=6 is not divisible by parallel.expert=4"),
+    (["moe.n_experts=4", "moe.top_k=5"], "moe.top_k=5 must be between 1 and moe.n_experts=4"),
+    (["moe.capacity_factor=0"], "moe.capacity_factor=0.0 must be > 0"),
+    (["moe.capacity_factor=-1.5"], "moe.capacity_factor=-1.5 must be > 0"),
+    (["moe.every=3"], "moe.every=3 must be positive and divide model.n_layers=4"),
+    (["model.arch=dense"], "choose one of gpt, moe"),
+])
+def test_bad_moe_config(over, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.arch=moe", *over])
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_moe_keys_are_ignored_for_gpt():
+    load_config(None, ["model.arch=gpt", "moe.n_experts=6", "parallel.expert=4"])
+
+
+def test_capacity_formula():
+    assert expert_capacity(512, 8, 2, 1.25) == 160
+    assert expert_capacity(10, 8, 2, 1.0) == 3           # ceil(2.5)
+    assert expert_capacity(16, 8, 2, 100.0) == 16        # never more than the group
+    assert expert_capacity(16, 8, 2, 0.01, dropless=True) == 16
