@@ -46,6 +46,8 @@ class ParallelConfig:
     seq_zigzag: bool = _f(True, "Zig-zag sequence layout for ring attention (balances causal work).")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms/residuals split along the sequence "
                                         "over `tensor` (needs tensor > 1).")
+    microbatches: int = _f(0, "Pipeline microbatches M per (grad-accum) step; 0 = parallel.pipe. Needs M >= pipe.")
+    pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).")
     zero: int = _f(0, "ZeRO stage over `data`: 0 replicated, 1 optimizer state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
     cpu_devices: int = _f(0, "Simulated XLA CPU devices when no accelerator is present; 0 = the mesh size.")
@@ -326,6 +328,9 @@ def validate(cfg: Config) -> None:
     if par.sequence_parallel and par.tensor == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence over "
                           "the tensor axis); set parallel.tensor or parallel.sequence_parallel=false")
+    if par.microbatches < 0 or par.pipeline_repeats < 1:
+        raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= 0 (0 = pipe) and "
+                          f"parallel.pipeline_repeats={par.pipeline_repeats} >= 1")
     if par.cpu_devices < 0:
         raise ConfigError(f"parallel.cpu_devices={par.cpu_devices} must be >= 0 (0 = the mesh size)")
     m = cfg.model
@@ -361,6 +366,7 @@ def validate(cfg: Config) -> None:
     if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
         raise ConfigError("train.lr must be > 0, train.grad_clip and train.weight_decay >= 0")
     validate_moe(cfg)
+
 
 
 def validate_moe(cfg: Config) -> None:

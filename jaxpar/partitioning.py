@@ -15,7 +15,7 @@ heads, kv_heads    tensor                                   Megatron attention
 mlp, act_mlp       tensor                                   Megatron MLP
 embed              data under ZeRO-3 (params), ZeRO>=1 (opt) FSDP / sharded optimizer state
 experts            expert                                   expert parallelism
-stages             pipe                                     pipeline parallelism
+stages, layers     pipe                                     pipeline parallelism (stage weights)
 =================  =======================================  ===================================
 
 Two rule sets exist: ``params`` (weights and activations) and ``opt`` (optimizer state, which is
@@ -133,9 +133,6 @@ class RuleSet:
 
 def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     """The rule tables for a parallel config (the only place rules are made)."""
-    if par.pipe not in (1, -1) or (mesh is not None and mesh.shape["pipe"] > 1):
-        raise ConfigError(f"parallel.pipe={par.pipe}: pipeline parallelism is not implemented yet; "
-                          "use parallel.pipe=1")
     base = {
         "batch": ("data", "expert"), "length": ("seq",),
         # the residual stream's sequence dim: also split over tensor under Megatron sequence parallelism
@@ -144,7 +141,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "heads": ("tensor",), "act_heads": ("tensor",),
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
         "mlp": ("tensor",), "act_mlp": ("tensor",),
-        "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": (),
+        "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": ("pipe",),
         "experts": ("expert",), "stages": ("pipe",),
     }
     zero = ("data",)
@@ -177,14 +174,33 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
     if par.sequence_parallel and t > 1 and m.seq_len % (n * t):
         raise ConfigError(f"parallel.sequence_parallel=true splits model.seq_len={m.seq_len} over seq x tensor = "
                           f"{n * t}, which does not divide it")
+    s_, r_ = sizes["pipe"], par.pipeline_repeats
+    if s_ > 1:
+        if m.n_layers % (s_ * r_):
+            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pipe x parallel.pipeline_repeats "
+                              f"= {s_ * r_} (stages x layer groups per stage)")
+        mb = par.microbatches or s_
+        if mb < s_:
+            raise ConfigError(f"parallel.microbatches={mb} is fewer than the {s_} pipeline stages (parallel.pipe); "
+                              f"use at least {s_}")
+        if par.zero >= 3:
+            raise ConfigError("parallel.zero=3 with parallel.pipe > 1 would all-gather every stage's weights on "
+                              "every microbatch iteration; use parallel.zero=1 (optimizer state sharded)")
     if par.zero >= 1 and m.d_model % sizes["data"]:
         raise ConfigError(f"parallel.zero={par.zero} shards d_model over data: parallel.data={sizes['data']} "
                           f"does not divide model.d_model={m.d_model}; valid data sizes: {_divisors(m.d_model)}")
 
 
-def check_batch_fits(batch_size: int, grad_accum: int, sizes: dict[str, int]) -> None:
+def check_batch_fits(batch_size: int, grad_accum: int, sizes: dict[str, int], microbatches: int = 0) -> None:
     dp = sizes["data"] * sizes["expert"]
     micro = batch_size // grad_accum
+    if sizes["pipe"] > 1:
+        m = microbatches or sizes["pipe"]
+        if micro % m or (micro // m) % dp:
+            raise ConfigError(f"train.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} sequences "
+                              f"must split into parallel.microbatches={m} microbatches, each divisible by the "
+                              f"batch-parallel size data*expert={dp}")
+        return
     if micro % dp:
         raise ConfigError(f"train.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} sequences "
                           f"per microstep is not divisible by the batch-parallel size data*expert={dp}")

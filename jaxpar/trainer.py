@@ -88,7 +88,7 @@ class Trainer:
         self.mesh = mesh if mesh is not None else make_mesh(cfg.parallel)
         self.sizes = dict(self.mesh.shape)
         check_model_fits(cfg.model, cfg.parallel, self.sizes)
-        check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes)
+        check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes, cfg.parallel.microbatches)
         self.rules = make_rules(cfg.parallel, self.mesh)
         if build_model is None:
             from models import build_model
@@ -142,9 +142,23 @@ class Trainer:
         def init():
             with use_rules(self.rules):
                 params = self.adapter.params_of(self.adapter.build())
+            params = self.to_storage_order(params)
             return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
 
         return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def to_storage_order(self, params: dict) -> dict:
+        """Circular pipelines store stacked layers stage-major (see :func:`stage_major_order`); the
+        model builds them in layer order, so the same seed gives the same layers on every mesh."""
+        s, r = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
+        if s == 1 or r == 1:
+            return params
+        from jaxpar.layers.pipeline import stage_major_order
+
+        def permute(a, ax):
+            return a[stage_major_order(a.shape[0], s, r)] if ax and ax[0] == "layers" else a
+
+        return jax.tree.map(permute, params, self.adapter.axes)
 
     # -- the step --------------------------------------------------------------------------------
     def loss_fn(self, params: dict, batch: dict):

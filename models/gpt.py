@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import ModelConfig
+from jaxpar.config import ConfigError, ModelConfig
 from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init,
                            vocab_parallel_cross_entropy)
 from jaxpar.layers.context_parallel import zigzag_order
+from jaxpar.layers.pipeline import pipeline
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -80,10 +81,23 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", ou
     """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), optionally rematerialised.
 
     With ``outputs=True`` each block returns ``(x, y)`` and the result is ``(x, ys)``, the ``y`` stacked
-    on a leading layer dim.
+    on a leading layer dim. With ``pipe`` > 1 the stack runs as a pipeline (:mod:`jaxpar.layers.pipeline`).
     """
     graphdef, state = nnx.split(blocks)
+    rules = active_rules()
+    if rules is not None and rules.axis_size("pipe") > 1:
+        if outputs:
+            raise ConfigError("parallel.pipe > 1 cannot run layers with per-layer outputs (MoE aux losses) yet; "
+                              "use parallel.pipe=1 with model.arch=moe")
+        par = rules.parallel
+        # remat (if any) is applied to each pipeline iteration as a whole, not again per layer
+        return pipeline(lambda group, h: _scan(graphdef, group, h, args, "none", False), state, x,
+                        stages=rules.axis_size("pipe"), repeats=par.pipeline_repeats,
+                        microbatches=par.microbatches or rules.axis_size("pipe"), remat=remat != "none")
+    return _scan(graphdef, state, x, args, remat, outputs)
 
+
+def _scan(graphdef, state, x, args, remat: str, outputs: bool):
     def body(h, layer_state):
         out = nnx.merge(graphdef, layer_state)(h, *args)
         return out if outputs else (out, None)

@@ -70,3 +70,12 @@ def test_shakespeare_run_writes_everything(tmp_path):
     assert (out / "sample.txt").read_text().startswith("ROMEO:")
     assert "--- sample" in p.stdout and "tokenizer bpe with 300 ids" in p.stdout
     assert list((tmp_path / "cache").glob("bpe-v300-*.tokenizer.json"))
+
+
+def test_pipeline_run_reports_bubble_and_chart(tmp_path):
+    out = tmp_path / "p"
+    p = train(*SMALL, "parallel.pipe=2", "parallel.data=2", "parallel.microbatches=2", "train.steps=2",
+              f"train.out_dir={out}")
+    assert "bubble (S-1)/(M*R+S-1) = 33.3%" in p.stdout
+    assert all(abs(m["bubble_fraction"] - 1 / 3) < 1e-9 for m in metrics(out))
+    assert (out / "pipeline_schedule.png").stat().st_size > 5000
