@@ -83,12 +83,6 @@ def test_hybrid_mesh_puts_hosts_on_outer_axes():
         _dcn_split(sizes, 3)
 
 
-def test_not_yet_axes_are_rejected():
-    for axis in ("pipe",):
-        with pytest.raises(ConfigError, match=f"parallel.{axis}=2: .* not implemented yet"):
-            make_rules(load_config(None, [f"parallel.{axis}=2"]).parallel)
-
-
 def test_rules_errors_and_table():
     mesh = make_mesh(load_config(None, ["parallel.data=2", "parallel.tensor=4"]).parallel, jax.devices())
     rules = make_rules(load_config(None, ["parallel.data=2", "parallel.tensor=4", "parallel.zero=3"]).parallel, mesh)
