@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.config import ConfigError, ModelConfig
+from jaxpar.config import ModelConfig
 from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init,
                            vocab_parallel_cross_entropy)
 from jaxpar.layers.context_parallel import zigzag_order
@@ -86,14 +86,13 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", ou
     graphdef, state = nnx.split(blocks)
     rules = active_rules()
     if rules is not None and rules.axis_size("pipe") > 1:
-        if outputs:
-            raise ConfigError("parallel.pipe > 1 cannot run layers with per-layer outputs (MoE aux losses) yet; "
-                              "use parallel.pipe=1 with model.arch=moe")
         par = rules.parallel
-        # remat (if any) is applied to each pipeline iteration as a whole, not again per layer
-        return pipeline(lambda group, h: _scan(graphdef, group, h, args, "none", False), state, x,
+        # remat (if any) is applied to each pipeline iteration as a whole, not again per layer;
+        # per-layer outputs come back as means over the microbatches, in storage order
+        return pipeline(lambda group, h: _scan(graphdef, group, h, args, "none", outputs), state, x,
                         stages=rules.axis_size("pipe"), repeats=par.pipeline_repeats,
-                        microbatches=par.microbatches or rules.axis_size("pipe"), remat=remat != "none")
+                        microbatches=par.microbatches or rules.axis_size("pipe"), remat=remat != "none",
+                        outputs=outputs)
     return _scan(graphdef, state, x, args, remat, outputs)
 
 

@@ -154,6 +154,8 @@ class MoE(nnx.Module):
                               f"(the batch rule maps to {batch})")
         ax = _Axes(batch + length, expert, tensor)
         manual = set(ax.tokens) | set(expert) | set(tensor)
+        if manual and mesh.shape["pipe"] > 1:  # inside the pipeline's vmap over stages (spmd axis `pipe`)
+            manual.add("pipe")
         if not manual:
             return self._local(x, *weights, ax=ax)
         x_spec = P(_entry(batch), _entry(length))

@@ -63,11 +63,14 @@ def _last_stage(stages: int):
 
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
-             remat: bool = False) -> jax.Array:
+             remat: bool = False, outputs: bool = False):
     """Run ``x [B, ...]`` through the stages; ``params`` leaves are ``[L, ...]`` in stage-major order.
 
     ``stage_fn(group_params, h)`` applies one group of layers (leaves ``[L/(S*R), ...]``) to a
-    microbatch ``h [B/M, ...]``.
+    microbatch ``h [B/M, ...]``. With ``outputs=True`` it returns ``(h, ys)`` with per-layer
+    leaves ``[L/(S*R), ...]`` (e.g. router statistics); the result is then ``(y, ys)`` with ``ys``
+    leaves ``[L, ...]`` in storage order, each the mean over the M microbatches (bubble
+    iterations excluded).
     """
     s_, r_, m_ = stages, repeats, microbatches
     b = x.shape[0]
@@ -83,23 +86,39 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
     run_stages = jax.vmap(stage_fn, spmd_axis_name="pipe")
     shift, last = _shift_forward(s_), _last_stage(s_)
 
+    acc = None
+    if outputs:
+        group0 = jax.tree.map(lambda a: a[:, 0], grouped)
+        ys_shape = jax.eval_shape(run_stages, group0, state)[1]
+        acc = jax.tree.map(lambda y: jnp.zeros((s_, r_, *y.shape[1:]), jnp.float32), ys_shape)
+
     def iteration(carry, t):
-        state, done = carry
+        state, done, acc = carry
         first = jnp.where(t < m_, xs[t % m_], done[t % m_])  # a fresh microbatch or one coming round
         # shift one stage forward (one collective-permute over pipe); stage 0 takes `first`
         is_first = (stage_ids == 0).reshape((s_,) + (1,) * (state.ndim - 1))
         shifted = constrain(jnp.where(is_first, first[None], shift(state)), ("stages", *act))
         repeat = jnp.clip((t - stage_ids) // m_, 0, r_ - 1)
         group = jax.vmap(lambda p, r: jax.tree.map(lambda a: a[r], p))(grouped, repeat)
-        state = constrain(run_stages(group, shifted), ("stages", *act))
+        state = run_stages(group, shifted)
+        if outputs:
+            state, ys = state
+            k = t - stage_ids  # which (repeat, microbatch) each stage holds; bubble if outside [0, M*R)
+            weight = ((k >= 0) & (k < m_ * r_)).astype(jnp.float32) / m_
+            acc = jax.tree.map(lambda a, y: jax.vmap(lambda a_s, y_s, r, w: a_s.at[r].add(y_s.astype(a_s.dtype) * w))(
+                a, y, repeat, weight), acc, ys)
+        state = constrain(state, ("stages", *act))
         out = (t - (s_ - 1)) % m_
         done = jnp.where(t >= s_ - 1, done.at[out].set(last(state)), done)
-        return (state, done), None
+        return (state, done, acc), None
 
     if remat:
         iteration = jax.checkpoint(iteration, prevent_cse=False)
-    (_, done), _ = jax.lax.scan(iteration, (state, done), jnp.arange(m_ * r_ + s_ - 1))
-    return constrain(done.swapaxes(0, 1).reshape(x.shape), act)
+    (_, done, acc), _ = jax.lax.scan(iteration, (state, done, acc), jnp.arange(m_ * r_ + s_ - 1))
+    y = constrain(done.swapaxes(0, 1).reshape(x.shape), act)
+    if not outputs:
+        return y
+    return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
 
 
 def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[int, int] | None]]:
