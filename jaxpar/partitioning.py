@@ -36,13 +36,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
 
-# Logical names used by the layers in this package. Users' own layers may use these freely.
-WEIGHT_NAMES = ("vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "fused", "positions", "norm",
-                "layers", "stages", "experts")
-ACTIVATION_NAMES = ("batch", "length", "res_length", "act_embed", "act_heads", "act_kv_heads", "act_head_dim",
-                    "act_mlp", "act_vocab")
-
-
 @dataclass(frozen=True)
 class Rules:
     """A logical-name -> mesh-axes table bound to a mesh."""

@@ -45,16 +45,28 @@ def batches(cfg, n: int):
     return [src.batch(i) for i in range(n)]
 
 
-def run(cfg, steps: int = 3):
-    """Loss/grads at init on batch 0, and losses + params after ``steps`` AdamW steps (numpy)."""
+def first_step(cfg) -> dict:
+    """Trainer, initial state, and the loss / aux metrics / gradients of batch 0 (gradients as numpy)."""
     t = trainer(cfg)
     state = t.init_state()
-    bs = batches(cfg, steps)
-    first = t.place_batch(bs[0])
-    loss, _, grads = jax.jit(t.grads)(state["params"], first)
-    out = {"init_params": jax.device_get(state["params"]), "loss0": float(loss), "grads": jax.device_get(grads)}
+    loss, aux, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
+    return {"trainer": t, "state": state, "loss": float(loss), "aux": jax.device_get(aux),
+            "grads": jax.device_get(grads)}
+
+
+def loss_grads(cfg):
+    """``(loss, grads)`` of batch 0 at initialisation."""
+    r = first_step(cfg)
+    return r["loss"], r["grads"]
+
+
+def run(cfg, steps: int = 3):
+    """Loss/grads at init on batch 0, and losses + params after ``steps`` AdamW steps (numpy)."""
+    first = first_step(cfg)
+    t, state = first["trainer"], first["state"]
+    out = {"init_params": jax.device_get(state["params"]), "loss0": first["loss"], "grads": first["grads"]}
     losses = []
-    for b in bs:
+    for b in batches(cfg, steps):
         state, m = t.step(state, t.place_batch(b))
         losses.append(float(m["loss"]))
     out["losses"] = losses

@@ -10,12 +10,7 @@ from pathlib import Path
 
 SCRIPT = r"""
 import jax, numpy as np
-from helpers import assert_trees_close, batches, config, rel_err, trainer
-def loss_grads(cfg):
-    t = trainer(cfg)
-    state = t.init_state()
-    loss, _, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
-    return float(loss), jax.device_get(grads)
+from helpers import assert_trees_close, config, loss_grads, rel_err
 over = dict(model__n_layers=4, train__batch_size=16)
 ref = loss_grads(config("llama_gqa", **over))
 for attn in ("ring", "ulysses"):

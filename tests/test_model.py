@@ -1,27 +1,17 @@
 """Model options: rematerialisation does not change the math, depth does not grow the program,
 bfloat16 compute stays close to float32, and the padded vocabulary is masked."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_trees_close, config, rel_err, trainer
-
-
-def _loss_grads(cfg):
-    t = trainer(cfg)
-    state = t.init_state()
-    from helpers import batches
-
-    loss, _, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
-    return float(loss), jax.device_get(grads)
+from helpers import assert_trees_close, config, loss_grads, rel_err, trainer
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots"])
 def test_remat_same_loss_and_grads(remat):
-    ref = _loss_grads(config("llama", parallel__data=2))
-    got = _loss_grads(config("llama", parallel__data=2, model__remat=remat))
+    ref = loss_grads(config("llama", parallel__data=2))
+    got = loss_grads(config("llama", parallel__data=2, model__remat=remat))
     assert rel_err(got[0], ref[0]) <= 1e-6
     assert_trees_close(got[1], ref[1], 1e-5, f"remat={remat} grads ")
 
@@ -38,8 +28,8 @@ def test_layer_scan_keeps_program_size_flat_in_depth():
 
 
 def test_bfloat16_compute_is_close_to_float32():
-    f32 = _loss_grads(config("llama", parallel__tensor=2))[0]
-    bf16 = _loss_grads(config("llama", parallel__tensor=2, model__compute_dtype="bfloat16"))[0]
+    f32 = loss_grads(config("llama", parallel__tensor=2))[0]
+    bf16 = loss_grads(config("llama", parallel__tensor=2, model__compute_dtype="bfloat16"))[0]
     assert abs(bf16 - f32) / f32 < 2e-2
 
 

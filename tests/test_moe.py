@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_trees_close, batches, config, rel_err, trainer
+from helpers import assert_trees_close, config, first_step, rel_err, trainer
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layers import MoE, expert_capacity
 from jaxpar.mesh import make_mesh
@@ -216,10 +216,8 @@ _REF = {}
 
 
 def _loss_grads(cfg):
-    t = trainer(cfg)
-    state = t.init_state()
-    loss, aux, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
-    return float(loss), jax.device_get(aux), jax.device_get(grads), jax.device_get(state["params"])
+    r = first_step(cfg)
+    return r["loss"], r["aux"], r["grads"], jax.device_get(r["state"]["params"])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

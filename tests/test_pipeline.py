@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_params_close, assert_trees_close, batches, config, rel_err, run, trainer
+from helpers import assert_params_close, assert_trees_close, config, first_step, rel_err, run, trainer
 from jaxpar.config import ConfigError
 from jaxpar.layers.pipeline import bubble_fraction, schedule, stage_major_order
 
@@ -15,10 +15,8 @@ L4 = dict(model__n_layers=4)
 
 
 def loss_grads(cfg):
-    t = trainer(cfg)
-    state = t.init_state()
-    loss, _, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
-    grads = jax.device_get(grads)
+    first = first_step(cfg)
+    t, loss, grads = first["trainer"], first["loss"], first["grads"]
     s, r = t.sizes["pipe"], cfg.parallel.pipeline_repeats
     if s > 1 and r > 1:  # circular storage is stage-major: put the layers back in order
         inv = np.argsort(stage_major_order(cfg.model.n_layers, s, r))

@@ -1,19 +1,10 @@
 """Sequence / context parallelism: numbers equal one device, the expected collectives appear, ring
 attention saves memory at long context, and the zig-zag layout balances the causal work."""
 
-import jax
-import numpy as np
 import pytest
 
-from helpers import assert_params_close, assert_trees_close, batches, config, reference, rel_err, run, trainer
+from helpers import assert_params_close, assert_trees_close, config, loss_grads, reference, rel_err, run, trainer
 from jaxpar.layers.context_parallel import ring_schedule, zigzag_order
-
-
-def loss_grads(cfg):
-    t = trainer(cfg)
-    state = t.init_state()
-    loss, _, grads = jax.jit(t.grads)(state["params"], t.place_batch(batches(cfg, 1)[0]))
-    return float(loss), jax.device_get(grads)
 
 
 @pytest.fixture(scope="module")
