@@ -9,12 +9,18 @@ Examples:
     python train.py --config configs/gpt2_124m.yaml parallel.zero=3
     python train.py --keys                                 # every config key, documented
 
-On a host without accelerators the mesh is simulated with XLA CPU devices.
+On a host without accelerators the mesh is simulated with XLA CPU devices. A run continues from the
+newest checkpoint in its directory (checkpoint.resume=auto). Multi-process runs start the same
+command once per process (see README: multi-host); distributed.* keys or JAXPAR_COORDINATOR /
+JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID say how the processes find each other.
+
+Exit status: 0 done; 1 the run failed (unusable checkpoint, too many non-finite steps); 2 bad config.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -38,15 +44,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         from jaxpar.mesh import setup_devices
 
-        setup_devices(cfg.parallel)
-        from jaxpar.run import run
-
-        run(cfg)
+        setup_devices(cfg.parallel, cfg.distributed)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    from jaxpar.checkpoint import CheckpointError
+    from jaxpar.run import TrainingError, run
 
+    try:
+        run(cfg)
+    except (ConfigError, CheckpointError, TrainingError) as e:
+        # Exit at once, the error line last: after a dead peer JAX's shutdown would wait for it until
+        # the heartbeat timeout, and after an unreadable checkpoint tensorstore's reader threads
+        # print tracebacks of their own cancelled reads.
+        sys.stdout.flush()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        os._exit(2 if isinstance(e, ConfigError) else 1)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -50,7 +50,8 @@ class ParallelConfig:
     pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).")
     zero: int = _f(0, "ZeRO stage over `data`: 0 replicated, 1 optimizer state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
-    cpu_devices: int = _f(0, "Simulated XLA CPU devices when no accelerator is present; 0 = the mesh size.")
+    cpu_devices: int = _f(0, "Simulated XLA CPU devices per process when no accelerator is present; 0 = the mesh "
+                             "size divided by the number of processes.")
 
 
 @dataclass
@@ -120,7 +121,10 @@ class TrainConfig:
     log_every: int = _f(10, "Write metrics every N steps (the first and last step are always logged).")
     eval_every: int = _f(100, "Validation loss every N steps and at the end (0 = only at the end).")
     eval_batches: int = _f(4, "Global batches of validation text per evaluation.")
-    out_dir: str = _f("runs/default", "Run directory (resolved config, metrics.jsonl, compile_report.json).")
+    out_dir: str = _f("runs/default", "Run directory (resolved config, metrics.jsonl, compile_report.json, "
+                                      "checkpoints/).")
+    max_bad_steps: int = _f(5, "A step whose loss or gradients are not finite is skipped (no update); after this "
+                               "many consecutive skipped steps the run stops with an error.")
 
 
 @dataclass
@@ -162,8 +166,47 @@ class MoEConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = _f(True, "Save checkpoints (orbax) of parameters, optimizer state, step and data position.")
+    dir: str = _f("", "Checkpoint directory; empty = <train.out_dir>/checkpoints.")
+    every: int = _f(100, "Save every N steps, and always at the last step (0 = only at the last step).")
+    keep: int = _f(3, "Keep the newest K checkpoints.")
+    async_save: bool = _f(True, "Write in the background while training continues (arrays are copied to host "
+                                "first).")
+    resume: str = _f("auto", "auto: continue from the newest checkpoint in the directory if there is one; "
+                             "required: fail if there is none; never: start fresh (fails if checkpoints exist, "
+                             "rather than overwrite them).", ("auto", "required", "never"))
+
+
+@dataclass
+class DistributedConfig:
+    """Multi-process (multi-host) runs through jax.distributed (one process per host or per GPU)."""
+
+    initialize: str = _f("auto", "auto: call jax.distributed.initialize when a coordinator is given (key or "
+                                 "JAXPAR_COORDINATOR) or a multi-process SLURM / Open MPI / TPU-pod job is detected; "
+                                 "on: always (JAX auto-detects the cluster); off: single process.",
+                         ("auto", "on", "off"))
+    coordinator: str = _f("", "host:port of process 0's coordination service (else env JAXPAR_COORDINATOR, "
+                              "else auto-detected).")
+    num_processes: int = _f(0, "Number of processes (else env JAXPAR_NUM_PROCESSES, else auto-detected).")
+    process_id: int = _f(-1, "This process's index (else env JAXPAR_PROCESS_ID, else auto-detected).")
+    heartbeat_timeout: int = _f(60, "Seconds without a heartbeat after which a peer counts as dead and every "
+                                    "process stops with an error.")
+    init_timeout: int = _f(300, "Seconds to wait for all processes to join at start-up.")
+
+
+@dataclass
 class DebugConfig:
     dump_hlo: bool = _f(False, "Also write the optimised HLO of the train step as train_step.hlo.txt.")
+    nan_steps: str = _f("", "Fault injection: comma-separated 0-based steps whose loss and gradients are made NaN "
+                            "(to test the skipping of non-finite steps).")
+
+    def nan_step_list(self) -> list[int]:
+        try:
+            return sorted({int(x) for x in self.nan_steps.split(",") if x.strip()})
+        except ValueError:
+            raise ConfigError(f"debug.nan_steps={self.nan_steps!r}: expected comma-separated step numbers, "
+                              "e.g. 3,4") from None
 
 
 @dataclass
@@ -174,6 +217,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict:
@@ -224,7 +269,8 @@ def _coerce(key: str, value: Any, tp, choices) -> Any:
                 break
     if out is None:
         names = " or ".join(t.__name__ for t in allowed)
-        raise ConfigError(f"{key}={value!r}: expected {names}")
+        hint = f"; choose one of {', '.join(map(str, choices))}" if choices else ""
+        raise ConfigError(f"{key}={value!r}: expected {names}{hint}")
     if choices is not None and out not in choices:
         raise ConfigError(f"{key}={out!r} is not a valid choice; choose one of {', '.join(map(str, choices))}")
     return out
@@ -365,6 +411,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
         raise ConfigError("train.lr must be > 0, train.grad_clip and train.weight_decay >= 0")
+    if t.max_bad_steps < 1:
+        raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be >= 1")
+    ck = cfg.checkpoint
+    if ck.every < 0 or ck.keep < 1:
+        raise ConfigError(f"checkpoint.every={ck.every} must be >= 0 (0 = only at the end) and "
+                          f"checkpoint.keep={ck.keep} >= 1")
+    ds = cfg.distributed
+    if ds.num_processes < 0 or ds.process_id < -1 or ds.heartbeat_timeout < 1 or ds.init_timeout < 1:
+        raise ConfigError("distributed.num_processes must be >= 0, distributed.process_id >= -1 (-1 = auto), and "
+                          "the timeouts >= 1 s")
+    if ds.num_processes and ds.process_id >= ds.num_processes:
+        raise ConfigError(f"distributed.process_id={ds.process_id} must be < distributed.num_processes="
+                          f"{ds.num_processes}")
+    cfg.debug.nan_step_list()
     validate_moe(cfg)
 
 

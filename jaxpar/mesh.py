@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import ConfigError, ParallelConfig
+from jaxpar.config import ConfigError, DistributedConfig, ParallelConfig
 
 AXES = ("data", "pipe", "expert", "seq", "tensor")
 
@@ -93,15 +93,27 @@ def make_mesh(par: ParallelConfig, devices=None) -> Mesh:
     return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def setup_devices(par: ParallelConfig) -> list:
-    """Before JAX starts: on a host without accelerators, simulate as many CPU devices as the mesh
-    needs (``parallel.cpu_devices``, or the product of the axis sizes). Returns the global devices."""
+def setup_devices(par: ParallelConfig, dist: DistributedConfig | None = None) -> list:
+    """Before JAX starts: on a host without accelerators, simulate as many CPU devices per process as
+    the mesh needs (``parallel.cpu_devices``, or the product of the axis sizes divided by the number
+    of processes); then join the multi-process run when ``dist`` asks for one (see
+    :mod:`jaxpar.distributed`). Returns the global devices."""
+    from jaxpar import distributed
+
+    plan = distributed.plan(dist) if dist is not None else None
     n = par.cpu_devices
     if n == 0:
         sizes = [getattr(par, a) for a in AXES]
         n = math.prod(sizes) if -1 not in sizes else 8
+        procs = plan.expected_processes() if plan else 1
+        if n % procs:
+            raise ConfigError(f"the mesh needs {n} devices, which {procs} processes cannot share equally; "
+                              "set parallel.cpu_devices (simulated devices per process)")
+        n //= procs
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         request_cpu_devices(n)
+    if plan is not None:
+        distributed.initialize(plan)
     return jax.devices()
 
 

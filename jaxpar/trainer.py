@@ -1,7 +1,9 @@
 """The training engine: sharded state, the jitted train step, and its compiled report.
 
-State is a plain pytree ``{"step", "params", "opt"}``; ``params`` is a nested dict of arrays
-(the model's ``nnx.Param`` leaves) and ``opt`` the optax state. Every leaf's sharding is computed
+State is a plain pytree ``{"step", "params", "opt", "skipped"}``; ``params`` is a nested dict of
+arrays (the model's ``nnx.Param`` leaves), ``opt`` the optax state, ``step`` the batches consumed and
+``skipped`` how many of them were skipped because their loss or gradients were not finite (such a
+step leaves ``params`` and ``opt`` bit-identical). Every leaf's sharding is computed
 from the logical names the model declared and the rules of :mod:`jaxpar.partitioning`:
 
 * parameters follow the ``params`` rules (ZeRO-3 adds ``data`` on ``embed``);
@@ -109,13 +111,14 @@ class Trainer:
                                                is_leaf=lambda x: isinstance(x, P))
         ns = lambda s: NamedSharding(self.mesh, s)  # noqa: E731
         self.state_shardings = {
-            "step": ns(P()),
+            "step": ns(P()), "skipped": ns(P()),
             "params": jax.tree.map(ns, self.param_specs, is_leaf=lambda x: isinstance(x, P)),
             "opt": jax.tree.map(ns, self.opt_specs, is_leaf=lambda x: isinstance(x, P)),
         }
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract},
+            {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract,
+             "skipped": jax.ShapeDtypeStruct((), jnp.int32)},
             self.state_shardings)
         seq = cfg.model.seq_len
         self.batch_sharding = self.rules.params.sharding(("batch", "length"))
@@ -143,22 +146,55 @@ class Trainer:
             with use_rules(self.rules):
                 params = self.adapter.params_of(self.adapter.build())
             params = self.to_storage_order(params)
-            return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+            zero = jnp.zeros((), jnp.int32)
+            return {"step": zero, "params": params, "opt": self.tx.init(params), "skipped": zero}
 
         return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def _layer_permutation(self, inverse: bool):
+        """The stacked-layer permutation of circular pipelines (None when storage is layer order)."""
+        s, r = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
+        if s == 1 or r == 1:
+            return None
+        from jaxpar.layers.pipeline import stage_major_order
+
+        stacked = jax.tree.map(lambda ax: bool(ax) and ax[0] == "layers", self.adapter.axes,
+                               is_leaf=lambda x: isinstance(x, tuple))
+
+        def permute(a, is_stacked):
+            if not is_stacked:
+                return a
+            order = np.asarray(stage_major_order(a.shape[0], s, r))
+            return a[np.argsort(order) if inverse else order]
+
+        return stacked, permute
 
     def to_storage_order(self, params: dict) -> dict:
         """Circular pipelines store stacked layers stage-major (see :func:`stage_major_order`); the
         model builds them in layer order, so the same seed gives the same layers on every mesh."""
-        s, r = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
-        if s == 1 or r == 1:
-            return params
-        from jaxpar.layers.pipeline import stage_major_order
+        perm = self._layer_permutation(inverse=False)
+        return params if perm is None else jax.tree.map(perm[1], params, perm[0])
 
-        def permute(a, ax):
-            return a[stage_major_order(a.shape[0], s, r)] if ax and ax[0] == "layers" else a
+    def _convert_state(self, state: dict, inverse: bool) -> dict:
+        perm = self._layer_permutation(inverse)
+        if perm is None:
+            return state
+        stacked, permute = perm
 
-        return jax.tree.map(permute, params, self.adapter.axes)
+        def convert(st):
+            opt = optax.tree_map_params(self.tx, permute, st["opt"], stacked, transform_non_params=lambda x: x)
+            return {**st, "params": jax.tree.map(permute, st["params"], stacked), "opt": opt}
+
+        return jax.jit(convert, out_shardings=self.state_shardings)(state)
+
+    def state_to_layer_order(self, state: dict) -> dict:
+        """The state with stacked layers (parameters and their optimizer moments) in layer order, as
+        checkpoints hold them; the identity unless the pipeline is circular."""
+        return self._convert_state(state, inverse=True)
+
+    def state_from_layer_order(self, state: dict) -> dict:
+        """Inverse of :meth:`state_to_layer_order` (after restoring a checkpoint)."""
+        return self._convert_state(state, inverse=False)
 
     # -- the step --------------------------------------------------------------------------------
     def loss_fn(self, params: dict, batch: dict):
@@ -193,12 +229,24 @@ class Trainer:
 
     def _step(self, state: dict, batch: dict):
         loss, aux, grads = self.grads(state["params"], batch)
+        nan_steps = self.cfg.debug.nan_step_list()
+        if nan_steps:  # fault injection (debug.nan_steps): this step's loss and gradients become NaN
+            poison = jnp.where(jnp.isin(state["step"], jnp.asarray(nan_steps)), jnp.nan, 1.0)
+            loss, grads = loss * poison, jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
         grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
         grad_norm = optax.tree.norm(grads)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"]), **aux}
-        return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+        # A non-finite loss or gradient (an inf/NaN in any leaf makes the norm non-finite) skips the
+        # update: parameters and optimizer state (its step counts included) stay bit-identical.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        skipped = state["skipped"] + (~finite).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"] - state["skipped"]),
+                   "nonfinite": (~finite).astype(jnp.int32), "skipped_steps": skipped, **aux}
+        new = {"step": state["step"] + 1, "params": keep(params, state["params"]), "opt": keep(opt, state["opt"]),
+               "skipped": skipped}
+        return new, metrics
 
     def lower(self):
         return self._step_jit.lower(self.abstract_state, self.abstract_batch)

@@ -39,6 +39,11 @@ def test_overrides_and_yaml(tmp_path):
     (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
     (["train.batch_size=10", "train.grad_accum=4"], "not divisible by train.grad_accum=4"),
     (["model"], "must look like section.key=value"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0 >= 1"),
+    (["checkpoint.resume=yes"], "choose one of auto, required, never"),
+    (["train.max_bad_steps=0"], "train.max_bad_steps=0 must be >= 1"),
+    (["debug.nan_steps=3,x"], "debug.nan_steps='3,x': expected comma-separated step numbers"),
+    (["distributed.num_processes=2", "distributed.process_id=2"], "distributed.process_id=2 must be < "),
     (["model=3"], "model is a section"),
 ])
 def test_bad_config_values(over, needle):
@@ -153,3 +158,38 @@ def test_shipped_configs_load_and_fit_their_meshes():
         fixed = [getattr(cfg.parallel, a) for a in AXES]
         sizes = axis_sizes(cfg.parallel, 64 if -1 in fixed else int(np.prod(fixed)))  # -1: e.g. 64 accelerators
         check_model_fits(cfg.model, cfg.parallel, sizes)
+
+
+def test_distributed_plan_from_keys_environment_and_scheduler(monkeypatch):
+    from jaxpar import distributed
+
+    for var in ("JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID", "SLURM_NTASKS",
+                "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    d = config("gpt2").distributed
+    assert distributed.plan(d) is None  # a plain single-process run
+    keys = config("gpt2", distributed__coordinator="h:1", distributed__num_processes=4,
+                  distributed__process_id=3).distributed
+    p = distributed.plan(keys)
+    assert (p.coordinator, p.num_processes, p.process_id, p.expected_processes()) == ("h:1", 4, 3, 4)
+    monkeypatch.setenv("JAXPAR_COORDINATOR", "e:2")
+    monkeypatch.setenv("JAXPAR_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAXPAR_PROCESS_ID", "1")
+    assert (distributed.plan(d).coordinator, distributed.plan(d).process_id) == ("e:2", 1)
+    assert distributed.plan(keys).coordinator == "h:1"  # keys win over the environment
+    assert distributed.plan(config("gpt2", distributed__initialize="off").distributed) is None
+    for var in ("JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID"):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_NTASKS", "16")  # auto-detected: JAX reads the rest from SLURM
+    p = distributed.plan(d)
+    assert (p.coordinator, p.num_processes, p.expected_processes()) == (None, None, 16)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.plan(d) is None
+    with pytest.raises(ConfigError, match="also needs distributed.num_processes"):
+        distributed.plan(config("gpt2", distributed__coordinator="h:1").distributed)
+    with pytest.raises(ConfigError, match="must be host:port"):
+        distributed.plan(config("gpt2", distributed__coordinator="h", distributed__num_processes=2,
+                                distributed__process_id=0).distributed)
+    monkeypatch.setenv("JAXPAR_NUM_PROCESSES", "two")
+    with pytest.raises(ConfigError, match="JAXPAR_NUM_PROCESSES='two' must be an integer"):
+        distributed.plan(d)

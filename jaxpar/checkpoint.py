@@ -1,0 +1,207 @@
+"""Checkpoints with orbax-checkpoint: save asynchronously, keep the newest K, restore onto any mesh.
+
+A checkpoint is a directory ``<checkpoint.dir>/<step>/`` (``step`` = optimizer steps completed)
+with three items:
+
+* ``state``  the train state ``{"step", "params", "opt", "skipped"}`` as sharded arrays (orbax
+  ``StandardSave``: tensorstore, every process writes the shards it owns). Stacked layers are in
+  layer order, whatever the mesh (circular pipelines keep them stage-major in memory; see
+  :meth:`Trainer.state_to_layer_order`), so the checkpoint does not depend on the mesh;
+* ``data``   the data iterator's position (JSON of plain ints, global: not per process);
+* ``meta``   the format version, the resolved config, and the parameter shapes (JSON).
+
+**Atomic.** orbax writes into a temporary directory and renames it to ``<step>`` only when every
+item of every process is complete; a save interrupted by a crash leaves a temporary directory
+that is never listed as a checkpoint (and is removed when the next run opens the directory).
+
+**Random state.** jaxpar has no stochastic layers; the initial weights come from ``train.seed``,
+the data order and synthetic tokens from ``(train.seed, step)``: the saved config and step
+determine every random draw of the rest of the run.
+
+**Restore onto another mesh.** Arrays are read straight into the shardings of the new run
+(``StandardRestore`` with abstract arrays), so a checkpoint saved on ``data=8`` continues on
+``data=2 x tensor=4``, on a pipeline, with another ZeRO stage or on another device count.
+
+Loading never unpickles: arrays come from tensorstore, the rest from JSON (configs from YAML
+``safe_load``). A checkpoint that cannot be read, or that belongs to a model of another shape, is a
+:class:`CheckpointError` (one line) and is left untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used by this run: one line naming the directory and the cause."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """``{"params/blocks/attn/qkv/kernel": shape}`` for a nested dict of arrays or array metadata."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)] = tuple(leaf.shape)
+    return out
+
+
+class Checkpointer:
+    """The checkpoints of one run directory (a thin layer over ``ocp.CheckpointManager``)."""
+
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+        """``directory``: a local path, or a ``gs://`` URL (passed to orbax as an ``epath.Path``)."""
+        import orbax.checkpoint as ocp
+
+        logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO/WARNING
+        self.ocp = ocp
+        if "://" in str(directory):  # a bucket (gs://...): orbax's own path type
+            from etils import epath
+
+            self.dir = epath.Path(str(directory))
+        else:
+            self.dir = Path(directory).absolute()
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               cleanup_tmp_directories=True, create=True)
+        try:
+            self.manager = ocp.CheckpointManager(self.dir, item_names=tuple(handlers), item_handlers=handlers,
+                                                 options=options)
+        except Exception as e:  # noqa: BLE001 - any failure to open the directory is the user's to fix
+            raise CheckpointError(f"cannot open the checkpoint directory {self.dir}: {_first_line(e)}") from None
+
+    # -- listing ---------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        return self.dir / str(step)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save(self, step: int, state: dict, data_state: dict, config: dict) -> None:
+        """Start saving ``state`` (layer order) as checkpoint ``step``; returns once the arrays are
+        copied off the devices (the state may then be donated), writing goes on in the background."""
+        a = self.ocp.args
+        meta = {"format": FORMAT, "step": int(step), "config": config,
+                "param_shapes": {k: list(v) for k, v in _shapes(state["params"]).items()}}
+        self.manager.save(step, args=a.Composite(state=a.StandardSave(state), data=a.JsonSave(data_state),
+                                                 meta=a.JsonSave(meta)), force=True)
+
+    def wait(self) -> None:
+        """Block until the pending save is complete on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    # -- restoring -------------------------------------------------------------------------------
+    def read_meta(self, step: int) -> dict:
+        a = self.ocp.args
+        try:
+            meta = self.manager.restore(step, args=a.Composite(meta=a.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {self.path(step)} is unreadable (its meta item: {_first_line(e)}); "
+                                  "it was left as is: move it away to resume from an older one") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or "param_shapes" not in meta:
+            raise CheckpointError(f"checkpoint {self.path(step)} is not a jaxpar checkpoint of format {FORMAT} "
+                                  f"(meta: {str(meta)[:120]}); it was left as is")
+        return meta
+
+    def check_compatible(self, step: int, abstract_state: dict, config: dict | None = None) -> dict:
+        """The checkpoint's meta, after checking that its parameters have this run's shapes
+        (``config``, this run's config dict, only serves to name the model keys that differ)."""
+        meta = self.read_meta(step)
+        want = _shapes(abstract_state["params"])
+        have = {k: tuple(v) for k, v in meta["param_shapes"].items()}
+        if have != want:
+            missing = sorted(set(want) - set(have))
+            extra = sorted(set(have) - set(want))
+            diff = [k for k in sorted(set(want) & set(have)) if want[k] != have[k]]
+            if diff:
+                what = f"params/{diff[0]} has shape {have[diff[0]]} there but {want[diff[0]]} in this model"
+            elif missing:
+                what = f"it has no params/{missing[0]}"
+            else:
+                what = f"it has params/{extra[0]}, which this model does not"
+            changed = _model_changes(meta.get("config", {}), config or {})
+            raise CheckpointError(f"checkpoint {self.path(step)} belongs to another model: {what}"
+                                  f"{changed}; it was left as is (use another checkpoint.dir or train.out_dir "
+                                  "to start a new run)")
+        return meta
+
+    def restore(self, step: int, abstract_state: dict, config: dict | None = None) -> tuple[dict, dict, dict]:
+        """``(state, data_state, meta)`` of checkpoint ``step``, its arrays placed with the shardings of
+        ``abstract_state`` (``jax.ShapeDtypeStruct`` leaves with ``sharding``; layer order)."""
+        meta = self.check_compatible(step, abstract_state, config)
+        a = self.ocp.args
+        _drop_closed_loop_reports()  # a failed read's cancelled siblings report "Event loop is closed"
+        try:
+            out = self.manager.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state),
+                                                              data=a.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            # orbax reads arrays in asyncio tasks; the ones that failed after the first would each log
+            # a traceback ("Task exception was never retrieved") when collected: this error says it all.
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+            raise CheckpointError(f"checkpoint {self.path(step)} is unreadable ({_first_line(e)}); it was left as "
+                                  "is: move it away to resume from an older one") from None
+        state = out["state"]
+        for k, v in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if not isinstance(v, jax.Array):
+                raise CheckpointError(f"checkpoint {self.path(step)}: state entry {jax.tree_util.keystr(k)} is "
+                                      f"missing or malformed ({type(v).__name__})")
+        return state, dict(out["data"] or {}), meta
+
+
+def _drop_closed_loop_reports() -> None:
+    """Silence one known harmless report: when a read fails, tensorstore completes the cancelled
+    reads of its siblings into orbax's closed event loop, and each reports "Event loop is closed"
+    through ``sys.unraisablehook``. Everything else still reaches the previous hook."""
+    import sys
+
+    hook = sys.unraisablehook
+    if getattr(hook, "_jaxpar_filter", False):
+        return
+
+    def filtered(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
+            hook(unraisable)
+
+    filtered._jaxpar_filter = True
+    sys.unraisablehook = filtered
+
+
+def _model_changes(saved: dict, now: dict) -> str:
+    """`` (model.d_model: 64 in the checkpoint, 128 now)`` for the model keys that differ."""
+    a, b = saved.get("model", {}), now.get("model", {})
+    diffs = [f"model.{k}: {a[k]!r} in the checkpoint, {b.get(k)!r} now" for k in a if k in b and a[k] != b[k]]
+    return f" ({'; '.join(diffs[:3])})" if diffs else ""
+
+
+def config_changes(saved: dict, now: dict, ignore=("parallel", "train.out_dir", "checkpoint", "distributed",
+                                                     "train.log_every", "train.eval_every",
+                                                     "debug", "sample")) -> list[str]:
+    """``["train.lr: 0.003 -> 0.001", ...]``: what a resumed run changed against the checkpoint's config."""
+    out = []
+    for sec, vals in now.items():
+        if not isinstance(vals, dict) or sec in ignore:
+            continue
+        for k, v in vals.items():
+            key = f"{sec}.{k}"
+            old = saved.get(sec, {}).get(k, v)
+            if key not in ignore and old != v:
+                out.append(f"{key}: {old!r} -> {v!r}")
+    return out

@@ -1,0 +1,99 @@
+"""Multi-process (multi-host) runs: one JAX process per host (TPU) or per host/GPU, joined by
+``jax.distributed.initialize`` (JAX's own multi-controller runtime).
+
+Every process runs the same ``train.py`` with the same config. Where the coordinator address,
+process count and process id come from, first match wins:
+
+1. the ``distributed.*`` config keys (``distributed.coordinator=host:port`` ...);
+2. the environment: ``JAXPAR_COORDINATOR``, ``JAXPAR_NUM_PROCESSES``, ``JAXPAR_PROCESS_ID``;
+3. JAX's cluster auto-detection (SLURM, Open MPI, Cloud TPU pods), when the job is recognised as
+   multi-process or ``distributed.initialize=on``.
+
+Faults: each process sends heartbeats to the coordination service; when a process stops sending
+them for ``distributed.heartbeat_timeout`` seconds (it crashed, was killed, or its host died), JAX
+terminates every other process with an error naming the dead task, so a run never hangs in a
+collective waiting for a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from jaxpar.config import ConfigError, DistributedConfig
+
+ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID"
+
+
+@dataclass
+class Plan:
+    """What :func:`initialize` will pass to ``jax.distributed.initialize`` (None = auto-detect)."""
+
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    heartbeat_timeout: int
+    init_timeout: int
+
+    def expected_processes(self) -> int:
+        """The process count when known before start-up (explicit or from the scheduler), else 1."""
+        return self.num_processes or _cluster_size() or 1
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _cluster_size() -> int | None:
+    """Process count of a recognised multi-process job (SLURM, Open MPI, TPU pod), else None."""
+    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        n = _env_int(var)
+        if n and n > 1:
+            return n
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if "," in hosts:
+        return len(hosts.split(","))
+    return None
+
+
+def plan(d: DistributedConfig) -> Plan | None:
+    """Decide whether and how to join a multi-process run; None = single process."""
+    if d.initialize == "off":
+        return None
+    coordinator = d.coordinator or os.environ.get(ENV_COORDINATOR, "").strip() or None
+    num = d.num_processes or _env_int(ENV_NUM_PROCESSES)
+    pid = d.process_id if d.process_id >= 0 else _env_int(ENV_PROCESS_ID)
+    explicit = coordinator is not None or num is not None or pid is not None
+    if d.initialize == "auto" and not explicit and _cluster_size() is None:
+        return None
+    if coordinator is not None and (num is None or pid is None):
+        raise ConfigError(f"distributed.coordinator={coordinator!r} also needs distributed.num_processes and "
+                          f"distributed.process_id (or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})")
+    if num is not None and pid is not None and not 0 <= pid < num:
+        raise ConfigError(f"distributed.process_id={pid} must be in [0, distributed.num_processes={num})")
+    if coordinator is not None and ":" not in coordinator:
+        raise ConfigError(f"distributed.coordinator={coordinator!r} must be host:port, e.g. 10.0.0.1:1234")
+    return Plan(coordinator, num, pid, d.heartbeat_timeout, d.init_timeout)
+
+
+def initialize(p: Plan) -> None:
+    """Join the run (before the first JAX computation). Blocks until all processes have joined."""
+    import jax
+
+    try:
+        jax.distributed.initialize(coordinator_address=p.coordinator, num_processes=p.num_processes,
+                                   process_id=p.process_id, initialization_timeout=p.init_timeout,
+                                   heartbeat_timeout_seconds=p.heartbeat_timeout)
+    except (RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = p.coordinator or "the auto-detected coordinator"
+        raise ConfigError(f"could not join the multi-process run at {where} (process "
+                          f"{p.process_id if p.process_id is not None else '?'} of "
+                          f"{p.num_processes or '?'}) within distributed.init_timeout={p.init_timeout}s: "
+                          f"{first}") from None
