@@ -25,6 +25,11 @@ complete checkpoint continues from the newest one: parameters, optimizer state, 
 position, placed on this run's mesh (which may differ from the saving run's). The steps after it
 are then bit-identical to an uninterrupted run on the same mesh; ``metrics.jsonl`` keeps the
 records of the steps before it and rewrites the rest.
+
+**Faults.** A non-finite step is skipped (see :class:`Trainer`) and counted; ``train.max_bad_steps``
+in a row raise :class:`TrainingError`. SIGTERM (preemption) saves a checkpoint after the current
+step and returns. In a multi-process run a failed collective (a peer died) raises
+:class:`PeerError`.
 """
 
 from __future__ import annotations
@@ -264,6 +269,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
     logger = _Logger(out, main, records)
     last_time, last_step, loss, val = time.perf_counter(), start, float("nan"), None
     faults = _FaultCounter(cfg.train.max_bad_steps, ckpt)
+    preemption, preempted = _Preemption(), None
     bar = _progress(steps, main and sys.stdout.isatty())
     if start >= steps:
         log(f"the checkpoint is at step {start}, train.steps={steps}: nothing left to train")
@@ -296,13 +302,20 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                         bar.console.log(_line(rec))
                     else:
                         log(_line(rec))
-                if ckpt is not None and (last or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)):
-                    if last:
+                stop = preemption.reached(step + 1)
+                if ckpt is not None and (last or stop or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)):
+                    if last or stop:
                         faults.flush()  # never write a final checkpoint past a fatal streak
                     t_save = time.perf_counter()
                     save(step + 1)
                     last_time += time.perf_counter() - t_save  # the blocking part of a save is not step time
                 bar.advance(task)
+                if stop and not last:
+                    preempted = step + 1
+                    log(f"preempted (SIGTERM): stopping after step {step}"
+                        + (f"; checkpoint {ckpt.path(step + 1)} saved, run the same command to continue"
+                           if ckpt is not None else "; checkpoints are disabled, so nothing was saved"))
+                    break
             faults.flush()
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
@@ -314,16 +327,18 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                         f"{ckpt.path(latest) if latest is not None else 'none'}") from None
     finally:
         logger.close()
+        preemption.close()
         if ckpt is not None and not isinstance(sys.exc_info()[1], PeerError):
             ckpt.wait()  # a pending save completes (or the last good checkpoint stays the newest)
             ckpt.close()
+    end = preempted or max(start, steps)
     summary = {"final_loss": loss, "val_loss": val, "out_dir": str(out), "steps": steps, "start_step": start,
-               "skipped_steps": faults.total}
+               "skipped_steps": faults.total, "preempted_at": preempted}
     if ckpt is not None:
-        summary["checkpoint"] = str(ckpt.path(max(start, steps)))
+        summary["checkpoint"] = str(ckpt.path(end))
     if main and logger.records:
         plot_losses(logger.records, out / "loss.png")
-    if cfg.sample.tokens and source.tokenizer is not None:
+    if cfg.sample.tokens and source.tokenizer is not None and preempted is None:
         texts = generate_sample(cfg, trainer, state["params"], source.tokenizer)
         log(f"\n--- sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}) ---\n"
             f"{cfg.sample.prompt}{texts[0]}\n---")
@@ -331,6 +346,43 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
             (out / "sample.txt").write_text(cfg.sample.prompt + texts[0] + "\n")
         summary["sample"] = texts[0]
     return summary
+
+
+class _Preemption:
+    """A scheduler's preemption notice (SIGTERM): save a checkpoint after the current step and stop.
+
+    One process: a SIGTERM handler (installed for the duration of the run, from the main thread)
+    sets a flag that the loop reads after each step. Several processes: JAX's preemption service,
+    started by ``jax.distributed.initialize``, receives the SIGTERM of any host and lets every
+    process agree on the same step to stop at (``reached_preemption_sync_point``)."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.flag, self.previous = False, None
+        self.multi = jax.process_count() > 1
+        if not self.multi and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._notice)
+
+    def _notice(self, *_):
+        self.flag = True
+
+    def reached(self, steps_done: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            try:
+                return multihost_utils.reached_preemption_sync_point(steps_done)
+            except RuntimeError:  # the preemption service is switched off (jax_enable_preemption_service)
+                return False
+        return self.flag
+
+    def close(self):
+        if self.previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -380,8 +432,11 @@ def generate_sample(cfg: Config, trainer: Trainer, params, tokenizer) -> list[st
 
 
 def _scalar_or_list(v):
+    """A metric for JSON: int for integer counters (``nonfinite``, ``skipped_steps``), else float."""
     a = np.asarray(v)
-    return float(a) if a.ndim == 0 else a.astype(float).tolist()
+    if a.ndim == 0:
+        return int(a) if a.dtype.kind in "iub" else float(a)
+    return a.astype(float).tolist()
 
 
 def _line(r: dict) -> str:

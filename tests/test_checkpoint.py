@@ -30,7 +30,7 @@ def _save(tmp_path, t, state, cfg, step):
     return ck  # the caller closes it
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: kept while a worker runs tests of other modules
 def saved_on_data8(tmp_path_factory):
     """2 steps on data=8 (ZeRO-1), saved; then 2 more steps uninterrupted (the reference losses)."""
     tmp = tmp_path_factory.mktemp("ck8")
@@ -82,7 +82,7 @@ def test_circular_pipeline_checkpoint_is_in_layer_order(tmp_path):
 def test_nonfinite_step_is_skipped_bit_exactly():
     """Step 1's gradients are NaN: parameters and optimizer state stay bit-identical, the step is
     counted, and the run continues exactly like a run that never saw batch 1."""
-    cfg = config("gpt2", parallel__data=2, parallel__tensor=2, debug__nan_steps="1")
+    cfg = config("gpt2", parallel__data=2, parallel__zero=1, debug__nan_steps="1")
     t = trainer(cfg)
     bs = batches(cfg, 3)
     state, _ = _steps(t, t.init_state(), bs[:1])
@@ -95,13 +95,13 @@ def test_nonfinite_step_is_skipped_bit_exactly():
     state, _ = _steps(t, state, bs[2:])
     assert int(state["step"]) == 3 and int(state["skipped"]) == 1
 
-    clean = trainer(config("gpt2", parallel__data=2, parallel__tensor=2))
+    clean = trainer(config("gpt2", parallel__data=2, parallel__zero=1))
     ref, _ = _steps(clean, clean.init_state(), [bs[0], bs[2]])
     for x, y in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(jax.device_get(ref["params"]))):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: kept while a worker runs tests of other modules
 def one_checkpoint(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     cfg = config("gpt2", parallel__data=2)

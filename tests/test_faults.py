@@ -1,5 +1,6 @@
 """Faults end to end, with `python train.py` in subprocesses: kill -9 and resume, kill -9 during an
-asynchronous save, two processes through jax.distributed, a dead peer, a streak of NaN steps.
+asynchronous save, two processes through jax.distributed (stopped together by a SIGTERM), a dead
+peer, an unreadable checkpoint; in process: a streak of NaN steps, a SIGTERM.
 
 The learning rate is constant after warm-up (``train.min_lr_ratio=1``), so runs of different
 ``train.steps`` share the losses of the steps they have in common.
@@ -23,7 +24,7 @@ import pytest
 from helpers import config
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
+STEPS = 16
 ARGS = ["data.source=synthetic", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
         "model.seq_len=32", "train.batch_size=16", "train.log_every=1", "train.eval_every=0", "sample.tokens=0",
         "parallel.data=8", "parallel.tensor=1", "train.warmup_steps=2", "train.min_lr_ratio=1.0",
@@ -72,14 +73,33 @@ def wait_for(cond, p: subprocess.Popen, timeout: float = 300, poll: float = 0.00
         time.sleep(poll)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
+@pytest.fixture(scope="session")  # session: kept while a worker runs tests of other modules
+def reference_run(tmp_path_factory) -> Path:
     """The uninterrupted run, one process, 8 devices."""
     out = tmp_path_factory.mktemp("ref") / "run"
     train(out, f"train.steps={STEPS}")
-    got = losses(out)
+    return out
+
+
+@pytest.fixture(scope="session")  # session: kept while a worker runs tests of other modules
+def reference(reference_run) -> list[float]:
+    got = losses(reference_run)
     assert len(got) == STEPS
     return got
+
+
+def test_unreadable_checkpoint_is_one_error_line_from_train_py(tmp_path, reference_run):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    for f in (out / "checkpoints" / str(STEPS) / "state").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:100])
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.out_dir={out}", f"train.steps={STEPS + 3}"],
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    assert p.returncode == 1
+    assert p.stderr.startswith(f"error: checkpoint {out / 'checkpoints' / str(STEPS)} is unreadable (")
+    assert p.stderr.count("\n") == 1, p.stderr  # one line: no traceback from orbax or tensorstore
 
 
 def _tmp_saves(ck: Path) -> list[str]:
@@ -88,7 +108,7 @@ def _tmp_saves(ck: Path) -> list[str]:
 
 def test_kill9_at_a_random_step_and_during_a_save_then_resume_exactly(tmp_path, reference):
     out, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    kill_at = random.Random().randint(2, 8)
+    kill_at = random.Random().randint(2, STEPS - 4)
     p = start(out, f"train.steps={STEPS}")
     wait_for(lambda: last_step(out) >= kill_at, p, poll=0.01)
     p.send_signal(signal.SIGKILL)
@@ -128,19 +148,25 @@ def _two_processes(out: Path, *extra) -> list[subprocess.Popen]:
                   log=out.parent / f"{out.name}.{i}.log") for i in range(2)]
 
 
-def test_two_processes_match_one_and_their_checkpoint_restores_in_one(tmp_path, reference):
+def test_two_processes_match_one_stop_together_on_sigterm_and_restore_in_one(tmp_path, reference):
     out = tmp_path / "mp"
-    procs = _two_processes(out, "train.steps=3")
+    procs = _two_processes(out, "train.steps=1000")
+    wait_for(lambda: last_step(out) >= 2, procs[0], poll=0.01)
+    procs[1].send_signal(signal.SIGTERM)  # a preemption notice to one of the hosts
     rcs = [p.wait(600) for p in procs]
     logs = [(tmp_path / f"mp.{i}.log").read_text() for i in range(2)]
     assert rcs == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert "process 0/2: 4 local devices, loads rows 0:8 of each global batch of 16" in logs[0]
     assert "process 1/2: 4 local devices, loads rows 8:16 of each global batch of 16" in logs[1]
-    np.testing.assert_allclose(losses(out), reference[:3], rtol=1e-6)  # gloo sums in another order
+    k = len(losses(out))  # both processes stopped after the same step and saved it
+    assert f"preempted (SIGTERM): stopping after step {k - 1}; checkpoint {out / 'checkpoints' / str(k)} saved" \
+        in logs[0]
+    assert 3 <= k <= STEPS - 3, f"the two processes stopped at step {k}"
+    np.testing.assert_allclose(losses(out), reference[:k], rtol=1e-6)  # gloo sums in another order
 
-    text = train(out, "train.steps=6")  # one process, 8 devices, from the two processes' checkpoint
-    assert f"resumed from {out / 'checkpoints' / '3'} (step 3" in text
-    np.testing.assert_allclose(losses(out), reference[:6], rtol=1e-5)
+    text = train(out, f"train.steps={k + 3}")  # one process, 8 devices, from the two processes' checkpoint
+    assert f"resumed from {out / 'checkpoints' / str(k)} (step {k}" in text
+    np.testing.assert_allclose(losses(out), reference[:k + 3], rtol=1e-5)
 
 
 def test_a_dead_peer_stops_the_other_process_with_a_clear_error(tmp_path):
@@ -167,11 +193,13 @@ def test_a_streak_of_nan_steps_stops_the_run_and_keeps_the_checkpoint(tmp_path):
     from jaxpar.run import TrainingError, run
     from jaxpar.trainer import Trainer
 
-    cfg = config("gpt2", parallel__data=4, parallel__tensor=2, train__steps=10, train__log_every=1,
-                 checkpoint__every=3, train__max_bad_steps=3, debug__nan_steps="3,4,5", sample__tokens=0,
-                 train__out_dir=str(tmp_path / "nan"))
+    from jaxpar.mesh import make_mesh
+
+    cfg = config("gpt2", train__steps=10, train__log_every=1, checkpoint__every=3, train__max_bad_steps=3,
+                 debug__nan_steps="3,4,5", sample__tokens=0, train__out_dir=str(tmp_path / "nan"))
+    mesh = make_mesh(cfg.parallel, jax.devices()[:1])  # the skipping on a sharded mesh: test_checkpoint
     with pytest.raises(TrainingError) as e:
-        run(cfg, log=lambda *a: None)
+        run(cfg, mesh=mesh, log=lambda *a: None)
     msg = str(e.value)
     assert "3 consecutive steps (3-5)" in msg and "train.max_bad_steps=3" in msg and "\n" not in msg, msg
     recs = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
@@ -179,9 +207,45 @@ def test_a_streak_of_nan_steps_stops_the_run_and_keeps_the_checkpoint(tmp_path):
     assert all(r["loss"] is None for r in recs[3:]) and recs[-1]["skipped_steps"] == 3
     ck = Checkpointer(tmp_path / "nan" / "checkpoints")
     assert ck.steps() == [3, 6], ck.steps()
-    t = Trainer(cfg)
+    t = Trainer(cfg, mesh=mesh)
     a, _, _ = ck.restore(3, t.abstract_state)
     b, _, _ = ck.restore(6, t.abstract_state)
     ck.close()
     for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):  # skipped steps changed nothing
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
+    """In process: a SIGTERM (a scheduler's preemption notice) after step 2 ends the run with a checkpoint
+    of the steps done; resuming gives exactly the losses of an uninterrupted run."""
+    import threading
+
+    from jaxpar.run import run
+
+    from jaxpar.mesh import make_mesh
+
+    def cfg(name):
+        return config("gpt2", train__steps=6, train__log_every=1, checkpoint__every=100, sample__tokens=0,
+                      train__out_dir=str(tmp_path / name))
+
+    one_device = make_mesh(cfg("x").parallel, jax.devices()[:1])  # the notice, not the layout, is under test
+
+    def recs(name):
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    def notice():
+        while last_step(tmp_path / "pre") < 2:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=notice, daemon=True).start()
+    quiet = lambda *a: None  # noqa: E731
+    handler = signal.getsignal(signal.SIGTERM)
+    first = run(cfg("pre"), mesh=one_device, log=quiet)
+    k = first["preempted_at"]
+    assert k is not None and 3 <= k < 6 and first["checkpoint"].endswith(f"checkpoints/{k}")
+    assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is gone with the run
+    second = run(cfg("pre"), mesh=one_device, log=quiet)
+    assert second["start_step"] == k and second["preempted_at"] is None
+    run(cfg("ref"), mesh=one_device, log=quiet)
+    assert [r["loss"] for r in recs("pre")] == [r["loss"] for r in recs("ref")]
