@@ -286,6 +286,22 @@ def test_run_writes_moe_metrics(tmp_path):
         assert 0.5 < r["moe_aux_loss"] < 2.0  # E sum_i f_i P_i: 1 when balanced
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
+    # its final checkpoint reads onto another expert layout: the same values, this layout's shardings
+    from jaxpar.checkpoint import Checkpointer
+
+    ck = Checkpointer(tmp_path / "checkpoints")
+    assert ck.steps() == [2]
+    other = config("gpt2", **MOE, parallel__data=2, parallel__expert=2, parallel__tensor=2)
+    t_a, t_b = trainer(cfg), trainer(other)
+    a, _, _ = ck.restore(2, t_a.abstract_state)
+    b, _, _ = ck.restore(2, t_b.abstract_state)
+    ck.close()
+    for x, y, want in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(t_b.abstract_state)):
+        assert y.sharding == want.sharding
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    w_in = lambda s: s["params"]["blocks"]["moe"]["mlp"]["w_in"].sharding.spec  # noqa: E731
+    assert w_in(a) != w_in(b)  # experts over expert=4 there, over expert=2 (and mlp over tensor) here
+
 
 @pytest.mark.parametrize("over, needle", [
     (["moe.n_experts=6", "parallel.expert=4"], "moe.n_experts=6 is not divisible by parallel.expert=4"),
