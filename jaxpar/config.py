@@ -123,6 +123,9 @@ class TrainConfig:
     eval_batches: int = _f(4, "Global batches of validation text per evaluation.")
     out_dir: str = _f("runs/default", "Run directory (resolved config, metrics.jsonl, compile_report.json, "
                                       "checkpoints/).")
+    step_timeout: int = _f(1800, "Seconds without training progress (a step, or an evaluation or save between steps) "
+                                 "after which the run is taken to hang, e.g. on a stuck peer process, and stops with "
+                                 "an error; 0 = no limit.")
     max_bad_steps: int = _f(5, "A step whose loss or gradients are not finite is skipped (no update); after this "
                                "many consecutive skipped steps the run stops with an error.")
 
@@ -411,6 +414,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
         raise ConfigError("train.lr must be > 0, train.grad_clip and train.weight_decay >= 0")
+    if t.step_timeout < 0:
+        raise ConfigError(f"train.step_timeout={t.step_timeout} must be >= 0 (0 = no limit)")
     if t.max_bad_steps < 1:
         raise ConfigError(f"train.max_bad_steps={t.max_bad_steps} must be >= 1")
     ck = cfg.checkpoint

@@ -29,13 +29,15 @@ records of the steps before it and rewrites the rest.
 **Faults.** A non-finite step is skipped (see :class:`Trainer`) and counted; ``train.max_bad_steps``
 in a row raise :class:`TrainingError`. SIGTERM (preemption) saves a checkpoint after the current
 step and returns. In a multi-process run a failed collective (a peer died) raises
-:class:`PeerError`.
+:class:`PeerError`; no progress for ``train.step_timeout`` seconds (a stuck peer) ends the process
+from the :class:`Watchdog` thread with one error line.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -269,18 +271,21 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
     logger = _Logger(out, main, records)
     last_time, last_step, loss, val = time.perf_counter(), start, float("nan"), None
     faults = _FaultCounter(cfg.train.max_bad_steps, ckpt)
-    preemption, preempted = _Preemption(), None
     bar = _progress(steps, main and sys.stdout.isatty())
     if start >= steps:
         log(f"the checkpoint is at step {start}, train.steps={steps}: nothing left to train")
         if source.val:
             val = evaluate(state["params"])
+    current, preempted = [start], None  # the step in progress, for the watchdog's message
+    preemption, watchdog = _Preemption(), Watchdog(cfg.train.step_timeout, _hang_exit(cfg, ckpt, current))
     try:
         with bar:
             task = bar.add_task("train", total=steps, completed=start, loss="-", tps="-")
             for step in range(start, steps):
+                current[0] = step
                 state, metrics = trainer.step(state, trainer.place_batch(source.next()))
                 faults.push(step, metrics)  # reads the previous step's flag: one step stays in flight
+                watchdog.beat()
                 last = step == steps - 1
                 do_eval = source.val and (last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0))
                 if step % cfg.train.log_every == 0 or last or do_eval:
@@ -296,6 +301,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                     if do_eval:
                         val = rec["val_loss"] = evaluate(state["params"])
                         last_time = time.perf_counter()  # evaluation time is not step time
+                        watchdog.beat()
                     logger.write(rec)
                     bar.update(task, loss=f"{loss:.3f}", tps=f"{rec['tokens_per_sec']:,.0f}")
                     if not bar.disable:
@@ -309,6 +315,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                     t_save = time.perf_counter()
                     save(step + 1)
                     last_time += time.perf_counter() - t_save  # the blocking part of a save is not step time
+                    watchdog.beat()
                 bar.advance(task)
                 if stop and not last:
                     preempted = step + 1
@@ -326,6 +333,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                         f"Stopping; the newest complete checkpoint is "
                         f"{ckpt.path(latest) if latest is not None else 'none'}") from None
     finally:
+        watchdog.close()
         logger.close()
         preemption.close()
         if ckpt is not None and not isinstance(sys.exc_info()[1], PeerError):
@@ -383,6 +391,52 @@ class _Preemption:
             import signal
 
             signal.signal(signal.SIGTERM, self.previous)
+
+
+class Watchdog:
+    """Calls ``on_hang(seconds)`` from a background thread when :meth:`beat` has not been called for
+    ``timeout`` seconds (0 = never). The training loop beats after each step, evaluation and save; a
+    collective waiting for a stuck (alive, still heartbeating) peer never returns, so only a thread
+    can notice."""
+
+    def __init__(self, timeout: float, on_hang, poll: float | None = None):
+        import threading
+
+        self.timeout, self.on_hang = timeout, on_hang
+        self.last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        if timeout > 0:
+            self.poll = poll or min(5.0, timeout / 10)
+            self._thread = threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout:
+                self.on_hang(idle)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _hang_exit(cfg: Config, ckpt: Checkpointer | None, step: list[int]):
+    """The watchdog's action in ``run``: one error line, then leave at once (the main thread is stuck)."""
+
+    def on_hang(idle: float) -> None:
+        latest = ckpt.latest() if ckpt is not None else None
+        print(f"error: process {jax.process_index()}: no training progress for {idle:.0f} s while running step "
+              f"{step[0]} (train.step_timeout={cfg.train.step_timeout}); a peer process may be hung, or the step "
+              f"is slower than the limit. Stopping; the newest complete checkpoint is "
+              f"{ckpt.path(latest) if latest is not None else 'none'}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    return on_hang
 
 
 def _quiet(*_args, **_kwargs) -> None:

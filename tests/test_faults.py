@@ -249,3 +249,20 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
     assert second["start_step"] == k and second["preempted_at"] is None
     run(cfg("ref"), mesh=one_device, log=quiet)
     assert [r["loss"] for r in recs("pre")] == [r["loss"] for r in recs("ref")]
+
+
+def test_watchdog_fires_only_without_progress():
+    """The hang detector behind train.step_timeout, with a fake action instead of exiting."""
+    from jaxpar.run import Watchdog
+
+    fired = []
+    w = Watchdog(0.3, fired.append, poll=0.02)
+    for _ in range(10):  # progress every 0.1 s: never fires
+        time.sleep(0.1)
+        w.beat()
+    assert fired == []
+    time.sleep(0.6)  # no progress: fires once, after about 0.3 s of silence
+    w.close()
+    assert len(fired) == 1 and 0.3 < fired[0] < 0.6, fired
+    idle = Watchdog(0, fired.append)  # 0 = no limit: no thread at all
+    assert idle._thread is None
