@@ -128,6 +128,7 @@ class Trainer:
         self._step_jit = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                                  out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._compiled = None
+        self._converters: dict = {}
 
     # -- sizes -----------------------------------------------------------------------------------
     def param_count(self) -> int:
@@ -176,16 +177,21 @@ class Trainer:
         return params if perm is None else jax.tree.map(perm[1], params, perm[0])
 
     def _convert_state(self, state: dict, inverse: bool) -> dict:
-        perm = self._layer_permutation(inverse)
-        if perm is None:
-            return state
-        stacked, permute = perm
+        if inverse not in self._converters:  # compiled once per direction (a save happens many times)
+            perm = self._layer_permutation(inverse)
+            if perm is None:
+                self._converters[inverse] = None
+            else:
+                stacked, permute = perm
 
-        def convert(st):
-            opt = optax.tree_map_params(self.tx, permute, st["opt"], stacked, transform_non_params=lambda x: x)
-            return {**st, "params": jax.tree.map(permute, st["params"], stacked), "opt": opt}
+                def convert(st):
+                    opt = optax.tree_map_params(self.tx, permute, st["opt"], stacked,
+                                                transform_non_params=lambda x: x)
+                    return {**st, "params": jax.tree.map(permute, st["params"], stacked), "opt": opt}
 
-        return jax.jit(convert, out_shardings=self.state_shardings)(state)
+                self._converters[inverse] = jax.jit(convert, out_shardings=self.state_shardings)
+        convert = self._converters[inverse]
+        return state if convert is None else convert(state)
 
     def state_to_layer_order(self, state: dict) -> dict:
         """The state with stacked layers (parameters and their optimizer moments) in layer order, as
