@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256", "model.seq_len=32",
          "train.batch_size=8", "train.steps=4", "train.log_every=1", "data.source=synthetic",
-         "parallel.data=1", "parallel.tensor=1", "parallel.zero=0", "sample.tokens=0"]
+         "parallel.data=1", "parallel.tensor=1", "parallel.zero=0", "sample.tokens=0",
+         "checkpoint.enabled=false"]  # checkpoints: test_faults.py, test_checkpoint.py
 
 
 def train(*args, check=True):

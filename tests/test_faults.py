@@ -8,6 +8,7 @@ The learning rate is constant after warm-up (``train.min_lr_ratio=1``), so runs 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -116,13 +117,17 @@ def test_kill9_at_a_random_step_and_during_a_save_then_resume_exactly(tmp_path, 
     saved = sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit())
     assert max(saved, default=0) <= kill_at + 1, saved  # none yet when killed before step 3
 
-    # Resume, and kill it again while its next asynchronous save is being written.
-    p = start(out, f"train.steps={STEPS}")
-    wait_for(lambda: bool(_tmp_saves(ck)), p)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    torn = _tmp_saves(ck)
-    assert torn, "the kill did not land during the save"
+    # Resume, and kill it again while its next asynchronous save is being written (a save takes about
+    # 0.1 s here; a kill that lands a moment too late finds it complete, and the attempt is repeated).
+    for _ in range(3):
+        p = start(out, f"train.steps={STEPS}")
+        wait_for(lambda: bool(_tmp_saves(ck)), p)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        torn = _tmp_saves(ck)
+        if torn:
+            break
+    assert torn, "three kills all landed after the save had completed"
     complete = sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit())
 
     text = train(out, f"train.steps={STEPS}")
@@ -247,7 +252,8 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_matches(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is gone with the run
     second = run(cfg("pre"), mesh=one_device, log=quiet)
     assert second["start_step"] == k and second["preempted_at"] is None
-    run(cfg("ref"), mesh=one_device, log=quiet)
+    run(dataclasses.replace(cfg("ref"), checkpoint=dataclasses.replace(cfg("ref").checkpoint, enabled=False)),
+        mesh=one_device, log=quiet)
     assert [r["loss"] for r in recs("pre")] == [r["loss"] for r in recs("ref")]
 
 
