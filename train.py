@@ -65,5 +65,6 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(2 if isinstance(e, ConfigError) else 1)
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -159,12 +159,7 @@ class Checkpointer:
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             raise CheckpointError(f"checkpoint {self.path(step)} is unreadable ({_first_line(e)}); it was left as "
                                   "is: move it away to resume from an older one") from None
-        state = out["state"]
-        for k, v in jax.tree_util.tree_flatten_with_path(state)[0]:
-            if not isinstance(v, jax.Array):
-                raise CheckpointError(f"checkpoint {self.path(step)}: state entry {jax.tree_util.keystr(k)} is "
-                                      f"missing or malformed ({type(v).__name__})")
-        return state, dict(out["data"] or {}), meta
+        return out["state"], dict(out["data"] or {}), meta
 
 
 _WRITER_SET = False

@@ -178,15 +178,17 @@ def open_checkpoints(cfg: Config, log) -> tuple[Checkpointer | None, int | None]
     directory = ck.dir or Path(cfg.train.out_dir) / "checkpoints"
     ckpt = Checkpointer(directory, keep=ck.keep, async_save=ck.async_save)
     steps = ckpt.steps()
-    if (ck.resume == "never" and steps) or (ck.resume == "required" and not steps):
-        ckpt.close()
+    error = None
     if ck.resume == "never" and steps:
-        raise CheckpointError(f"{ckpt.dir} already holds checkpoints (steps {', '.join(map(str, steps))}) and "
-                              "checkpoint.resume=never would overwrite them; set checkpoint.resume=auto to continue "
-                              "that run, or choose another train.out_dir / checkpoint.dir")
-    if ck.resume == "required" and not steps:
-        raise CheckpointError(f"checkpoint.resume=required but {ckpt.dir} holds no complete checkpoint")
-    return ckpt, (steps[-1] if steps and ck.resume != "never" else None)
+        error = (f"{ckpt.dir} already holds checkpoints (steps {', '.join(map(str, steps))}) and "
+                 "checkpoint.resume=never would overwrite them; set checkpoint.resume=auto to continue "
+                 "that run, or choose another train.out_dir / checkpoint.dir")
+    elif ck.resume == "required" and not steps:
+        error = f"checkpoint.resume=required but {ckpt.dir} holds no complete checkpoint"
+    if error:
+        ckpt.close()
+        raise CheckpointError(error)
+    return ckpt, (steps[-1] if steps else None)
 
 
 def restore_state(cfg: Config, trainer: Trainer, ckpt: Checkpointer, step: int, source, log) -> dict:
@@ -327,11 +329,9 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
-        latest = ckpt.latest() if ckpt is not None else None
         raise PeerError(f"process {jax.process_index()}: a collective with the other processes failed "
                         f"({str(e).strip().splitlines()[0][:200]}); a peer process probably died or was killed. "
-                        f"Stopping; the newest complete checkpoint is "
-                        f"{ckpt.path(latest) if latest is not None else 'none'}") from None
+                        f"Stopping; {_newest(ckpt)}") from None
     finally:
         watchdog.close()
         logger.close()
@@ -429,14 +429,20 @@ def _hang_exit(cfg: Config, ckpt: Checkpointer | None, step: list[int]):
     """The watchdog's action in ``run``: one error line, then leave at once (the main thread is stuck)."""
 
     def on_hang(idle: float) -> None:
-        latest = ckpt.latest() if ckpt is not None else None
         print(f"error: process {jax.process_index()}: no training progress for {idle:.0f} s while running step "
               f"{step[0]} (train.step_timeout={cfg.train.step_timeout}); a peer process may be hung, or the step "
-              f"is slower than the limit. Stopping; the newest complete checkpoint is "
-              f"{ckpt.path(latest) if latest is not None else 'none'}", file=sys.stderr, flush=True)
+              f"is slower than the limit. Stopping; {_newest(ckpt)}", file=sys.stderr, flush=True)
         os._exit(1)
 
     return on_hang
+
+
+def _newest(ckpt: Checkpointer | None) -> str:
+    """How a stop message names the checkpoint to resume from."""
+    if ckpt is None:
+        return "checkpoints are disabled"
+    latest = ckpt.latest()
+    return f"the newest complete checkpoint is {ckpt.path(latest)}" if latest is not None else "there is no checkpoint yet"
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -467,15 +473,12 @@ class _FaultCounter:
         self.total += 1
         self.streak.append(step)
         if len(self.streak) >= self.limit:
-            where = ""
             if self.ckpt is not None:
-                self.ckpt.wait()
-                latest = self.ckpt.latest()
-                where = (f"; the newest checkpoint, {self.ckpt.path(latest)}, is intact" if latest is not None
-                         else "; there is no checkpoint yet")
+                self.ckpt.wait()  # a save in flight holds weights from before the streak: let it complete
             raise TrainingError(f"{len(self.streak)} consecutive steps ({self.streak[0]}-{self.streak[-1]}) had a "
                                 f"non-finite loss or gradients and were skipped (train.max_bad_steps={self.limit}); "
-                                f"stopping{where}. Lower train.lr or raise train.warmup_steps / train.grad_clip")
+                                f"stopping; {_newest(self.ckpt)}. Lower train.lr or raise "
+                                "train.warmup_steps / train.grad_clip")
 
 
 def generate_sample(cfg: Config, trainer: Trainer, params, tokenizer) -> list[str]:
