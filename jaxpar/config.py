@@ -78,8 +78,17 @@ class ModelConfig:
     norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.")
     rope_theta: float = _f(10000.0, "RoPE base frequency.")
     init_std: float = _f(0.02, "Std of the normal initialiser (residual projections scaled by 1/sqrt(2*n_layers)).")
-    remat: str = _f("none", "Rematerialisation of each block: none, full, or save_dots (keep weight matmuls).",
-                    ("none", "full", "save_dots"))
+    remat: str = _f("none", "Rematerialisation policy of each block (what it keeps for the backward): none (everything), "
+                            "save_dots (the weight-matmul and attention outputs; minimal is MaxText's name for it), "
+                            "save_dots_except_mlp, save_qkv_proj, full (only the block input), offload (as save_dots, "
+                            "in pinned host memory; GPU/TPU). See the README's Performance section.",
+                    ("none", "full", "save_dots", "minimal", "save_dots_except_mlp", "save_qkv_proj", "offload"))
+    attention: str = _f("auto", "Attention kernel: auto (cudnn on GPU, pallas on TPU, xla on CPU, and xla where the "
+                                "kernel does not fit), xla (reference, float32 scores), cudnn (cuDNN flash attention, "
+                                "GPU, bfloat16), pallas (Pallas flash kernels: TPU splash attention, GPU Triton).",
+                        ("auto", "xla", "cudnn", "pallas"))
+    loss_chunk_tokens: int = _f(4096, "The head and cross-entropy run over chunks of at most this many tokens per device, "
+                                      "so the float32 logits of the whole batch never exist; 0 = one chunk.")
     param_dtype: str = _f("float32", "Dtype parameters are stored in.", ("float32", "bfloat16"))
     compute_dtype: str = _f("auto", "Dtype of matmuls: auto = float32 on CPU, bfloat16 on GPU/TPU.",
                             ("auto", "float32", "bfloat16"))
@@ -126,6 +135,11 @@ class TrainConfig:
     step_timeout: int = _f(1800, "Seconds without training progress (a step, or an evaluation or save between steps) "
                                  "after which the run is taken to hang, e.g. on a stuck peer process, and stops with "
                                  "an error; 0 = no limit.")
+    peak_tflops: float = _f(0.0, "Dense bf16 peak TFLOP/s of one device, for MFU; 0 = from the device kind (H100/H200 989, "
+                                 "A100 312, TPU v4 275, v5e 197, v5p 459, v6e 918; none on CPU: no MFU).")
+    xla_perf_options: bool = _f(True, "Compile the train step with jaxpar's XLA performance options on GPU (latency-hiding "
+                                      "scheduler, collective combining and pipelining; see README). A flag set in "
+                                      "XLA_FLAGS overrides the same option.")
     max_bad_steps: int = _f(5, "A step whose loss or gradients are not finite is skipped (no update); after this "
                                "many consecutive skipped steps the run stops with an error.")
 
@@ -385,6 +399,8 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     for k in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "vocab_multiple"):
         positive(f"model.{k}", getattr(m, k))
+    if m.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be >= 0 (0 = one chunk)")
     for k in ("n_kv_heads", "head_dim", "d_ff"):
         if getattr(m, k) < 0:
             raise ConfigError(f"model.{k}={getattr(m, k)} must be >= 0 (0 = derived default)")
@@ -414,6 +430,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.lr <= 0 or t.grad_clip < 0 or t.weight_decay < 0:
         raise ConfigError("train.lr must be > 0, train.grad_clip and train.weight_decay >= 0")
+    if t.peak_tflops < 0:
+        raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the device kind)")
     if t.step_timeout < 0:
         raise ConfigError(f"train.step_timeout={t.step_timeout} must be >= 0 (0 = no limit)")
     if t.max_bad_steps < 1:

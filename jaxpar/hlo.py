@@ -279,5 +279,9 @@ def compile_report(compiled, mesh_shape: dict[str, int] | None = None) -> dict:
     rep["bytes_accessed"] = float(cost.get("bytes accessed", 0.0))
     text = compiled.as_text()
     rep["matmul_flops"] = matmul_flops(text)
+    rep["hardware_counts"] = ("flops, bytes_accessed and matmul_flops are counted from the compiled program: what "
+                              "the device executes (rematerialisation and pipeline bubbles included), per device. "
+                              "XLA:CPU's flops count a loop body once; matmul_flops counts HLO dots, so it misses "
+                              "the cuBLAS / cuDNN custom calls of a GPU program. MFU uses model_flops instead.")
     rep["collectives"] = collectives(text, mesh_shape)
     return rep

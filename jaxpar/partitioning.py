@@ -111,16 +111,19 @@ class RuleSet:
         return self.params.mesh
 
     def table(self) -> str:
-        """Printable table: logical name -> mesh axes for parameters/activations and optimizer state."""
-        names = sorted(self.params.table)
-        w = max(map(len, names))
-
+        """Printable table: the logical names that map to a mesh axis of size > 1, for
+        parameters/activations and optimizer state (every other name is replicated)."""
         def fmt(r, n):
             axes = [a for a in r.table[n] if r.mesh is None or r.mesh.shape[a] > 1]
             return ",".join(axes) if axes else "-"
 
+        names = [n for n in sorted(self.params.table) if fmt(self.params, n) != "-" or fmt(self.opt, n) != "-"]
+        if not names:
+            return "logical axis rules: no name maps to a mesh axis of size > 1 (everything is replicated)"
+        w = max(map(len, names + ["logical"]))
         lines = [f"{'logical':<{w}}  {'params/activations':<20} optimizer state", "-" * (w + 38)]
         lines += [f"{n:<{w}}  {fmt(self.params, n):<20} {fmt(self.opt, n)}" for n in names]
+        lines.append("(other logical names: replicated)")
         return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ Run directory contents (``train.out_dir``):
 * ``train_step.hlo.txt``   the optimised HLO (``debug.dump_hlo=true``);
 * ``metrics.jsonl``        one JSON object per logged step: ``step`` (0-based index of the optimizer
   step whose batch gave ``loss``), ``loss``, ``lr``, ``grad_norm``, ``step_time`` (s),
-  ``tokens_per_sec``, ``mfu`` (when the device's peak flops are known), ``bubble_fraction`` (pipe > 1)
+  ``tokens_per_sec``, ``model_tflops_per_sec`` (model flops per second per device, :mod:`jaxpar.flops`),
+  ``mfu`` (those over the device's peak, when known or ``train.peak_tflops`` is set), ``bubble_fraction`` (pipe > 1)
   and ``val_loss`` at evaluation steps; a model's own metrics too (MoE: ``ce_loss``, ``moe_aux_loss``, ``moe_z_loss``,
   ``moe_drop_fraction``, and ``moe_expert_load``, a list with one value per expert);
 * ``tb/``                  TensorBoard event files of the same scalars (a vector metric as ``name/i``);
@@ -46,16 +47,12 @@ import jax
 import numpy as np
 import yaml
 
+from jaxpar import flops
 from jaxpar import mesh as meshlib
 from jaxpar.checkpoint import CheckpointError, Checkpointer, config_changes
 from jaxpar.config import Config
 from jaxpar.data.sources import make_source
 from jaxpar.trainer import Trainer
-
-# Dense bf16 peak flops per device, for MFU (unknown devices: no MFU).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
-              "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
-
 
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -63,11 +60,6 @@ def _fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def peak_flops(device) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), None)
 
 
 def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> float | None:
@@ -93,7 +85,8 @@ def startup_report(trainer: Trainer) -> str:
         meshlib.describe(t.mesh), "", t.rules.table(), "",
         f"parameters: {t.param_count():,}",
         f"per device: parameters {_fmt_bytes(t.per_device_bytes('params'))}, "
-        f"optimizer state {_fmt_bytes(t.per_device_bytes('opt'))}"])
+        f"optimizer state {_fmt_bytes(t.per_device_bytes('opt'))}",
+        *t.compute_report()])
 
 
 class _Logger:
@@ -248,7 +241,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
         state = trainer.init_state()
     else:
         state = restore_state(cfg, trainer, ckpt, resume_step, source, log)
-    report = trainer.compile()
+    report = trainer.compile(log)
     report["compile_seconds"] = round(time.perf_counter() - t0, 3)
     if main:
         (out / "compile_report.json").write_text(json.dumps(report, indent=2))
@@ -256,8 +249,10 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
             (out / "train_step.hlo.txt").write_text(trainer.hlo_text())
     mem = report.get("memory", {})
     bubble = pipeline_report(cfg, trainer, out if main else None, log)
-    log(f"compiled train step in {report['compile_seconds']:.1f}s: {report['matmul_flops']:.3g} matmul flops/step/device, "
-        f"arguments {_fmt_bytes(mem.get('argument_size', 0))}, temp {_fmt_bytes(mem.get('temp_size', 0))} per device")
+    log(f"compiled train step in {report['compile_seconds']:.1f}s: per device {_fmt_bytes(mem.get('argument_size', 0))} "
+        f"arguments, {_fmt_bytes(mem.get('temp_size', 0))} temp (model.remat={cfg.model.remat}); model flops "
+        f"{report['model_flops']['per_step_per_device']:.3g}/step/device"
+        + (f"; XLA options: {len(report['xla_options'])} (train.xla_perf_options)" if report["xla_options"] else ""))
 
     def evaluate(params) -> float:
         losses = [trainer.eval_loss(params, trainer.place_batch(b)) for b in source.val]
@@ -268,7 +263,8 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
 
     start, steps = resume_step or 0, cfg.train.steps
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-    peak = peak_flops(jax.devices()[0])
+    peak = flops.peak_flops(jax.devices()[0], cfg.train.peak_tflops)
+    model_flops = report["model_flops"]["per_step_per_device"]
     records = _previous_records(out, start) if main else []
     logger = _Logger(out, main, records)
     last_time, last_step, loss, val = time.perf_counter(), start, float("nan"), None
@@ -295,9 +291,10 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                     now = time.perf_counter()
                     dt = (now - last_time) / (step + 1 - last_step)
                     last_time, last_step, loss = now, step + 1, m["loss"]
-                    rec = {"step": step, **m, "step_time": dt, "tokens_per_sec": tokens_per_step / dt}
+                    rec = {"step": step, **m, "step_time": dt, "tokens_per_sec": tokens_per_step / dt,
+                           "model_tflops_per_sec": model_flops / dt / 1e12}
                     if peak:
-                        rec["mfu"] = report["matmul_flops"] / dt / peak
+                        rec["mfu"] = model_flops / dt / peak
                     if bubble is not None:
                         rec["bubble_fraction"] = bubble
                     if do_eval:

@@ -26,8 +26,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo
+from jaxpar import flops, hlo, xla_options
 from jaxpar.config import Config
+from jaxpar.layers import attention_ops
+from jaxpar.layers.loss import loss_chunks
+from jaxpar.layers.precision import compute_dtype
+from jaxpar.layers.remat import check_supported as check_remat
 from jaxpar.mesh import make_mesh
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.partitioning import check_batch_fits, check_model_fits, make_rules, use_rules
@@ -89,6 +93,8 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else make_mesh(cfg.parallel)
         self.sizes = dict(self.mesh.shape)
+        self.platform = self.mesh.devices.flat[0].platform
+        check_remat(cfg.model.remat, self.mesh.devices.flat[0])
         check_model_fits(cfg.model, cfg.parallel, self.sizes)
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes, cfg.parallel.microbatches)
         self.rules = make_rules(cfg.parallel, self.mesh)
@@ -138,6 +144,23 @@ class Trainer:
         """Bytes of ``params`` or ``opt`` held by one device under the shardings."""
         tree = self.abstract_state[which]
         return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))
+
+    def compute_report(self) -> list[str]:
+        """Start-up lines: compute dtype, attention kernel, remat policy and loss chunking of this run."""
+        m, par = self.cfg.model.resolved(), self.cfg.parallel
+        dtype = jnp.dtype(compute_dtype(m.compute_dtype, self.platform))
+        n = self.sizes["seq"]
+        strategy = par.seq_attention if n > 1 else None
+        kernel = attention_ops.describe(m.attention, dtype=dtype, head_dim=m.head_dim, n_heads=m.n_heads,
+                                        n_kv_heads=m.n_kv_heads, platform=self.platform,
+                                        seq_len=m.seq_len if strategy in (None, "ulysses") else m.seq_len // n)
+        if strategy:
+            kernel += f"; context-parallel {strategy} over seq={n}" + (" (XLA blocks)" if strategy == "ring" else "")
+        rows = self.cfg.train.batch_size // self.cfg.train.grad_accum // (self.sizes["data"] * self.sizes["expert"])
+        chunks = loss_chunks(rows, m.seq_len // n, m.loss_chunk_tokens)
+        return [f"compute: {dtype.name} matmuls, {m.param_dtype} parameters; attention kernel: {kernel}; "
+                f"remat: {m.remat}; loss: head + cross-entropy in {chunks} chunk(s) of {rows * m.seq_len // n // chunks} "
+                "tokens per device"]
 
     # -- state -----------------------------------------------------------------------------------
     def init_state(self) -> dict:
@@ -257,10 +280,21 @@ class Trainer:
     def lower(self):
         return self._step_jit.lower(self.abstract_state, self.abstract_batch)
 
-    def compile(self) -> dict:
-        """Compile the step once; returns the compile report (memory, flops, collectives)."""
-        self._compiled = self.lower().compile()
-        return hlo.compile_report(self._compiled, self.sizes)
+    def compile(self, log=None) -> dict:
+        """Compile the step once (with :mod:`jaxpar.xla_options` on accelerators unless
+        ``train.xla_perf_options=false``); returns the compile report: memory, the program's own flop
+        counts and collectives (the hardware side), the applied XLA options, and the model flops
+        MFU is computed from (:mod:`jaxpar.flops`)."""
+        options = (xla_options.performance_options(self.platform, self.mesh.size)
+                   if self.cfg.train.xla_perf_options else {})
+        self._compiled, applied = xla_options.compile_with(self.lower(), options, log)
+        rep = hlo.compile_report(self._compiled, self.sizes)
+        rep["xla_options"] = applied
+        per_step = flops.model_flops_per_step(self.cfg)
+        rep["model_flops"] = {"per_token": flops.model_flops_per_token(self.cfg), "per_step": per_step,
+                              "per_step_per_device": per_step / self.mesh.size,
+                              "formula": "per token: 6 * N_matmul + 6 * n_layers * seq_len * n_heads * head_dim"}
+        return rep
 
     def hlo_text(self) -> str:
         if self._compiled is None:

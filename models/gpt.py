@@ -21,24 +21,15 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init,
-                           vocab_parallel_cross_entropy)
+from jaxpar.layers import MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init
 from jaxpar.layers.context_parallel import zigzag_order
+from jaxpar.layers.embedding import vocab_logits
+from jaxpar.layers.loss import head_cross_entropy
 from jaxpar.layers.pipeline import pipeline
+from jaxpar.layers.precision import DTYPES, compute_dtype
+from jaxpar.layers.remat import remat as rematerialise
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def compute_dtype(cfg: ModelConfig):
-    """``auto``: float32 on CPU, bfloat16 on GPU/TPU."""
-    if cfg.compute_dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return DTYPES[cfg.compute_dtype]
 
 
 class Block(nnx.Module):
@@ -54,13 +45,14 @@ class Block(nnx.Module):
         self.norm1 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, use_bias=cfg.bias,
                               rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
-                              init_std=cfg.init_std, out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs)
+                              init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, dtype=dtype,
+                              param_dtype=pd, rngs=rngs)
         self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.mlp = (ffn(rngs) if ffn is not None else
                     MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, use_bias=cfg.bias, init_std=cfg.init_std,
                         out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs))
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         x = x + self.attn(self.norm1(x), positions)
         x = x + self.mlp(self.norm2(x))
         return constrain(x, ("batch", "res_length", "act_embed"))
@@ -78,21 +70,21 @@ def stacked(make, n: int, rngs: nnx.Rngs):
 
 
 def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", outputs: bool = False):
-    """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), optionally rematerialised.
+    """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), each rematerialised with
+    the policy ``remat`` (:mod:`jaxpar.layers.remat`).
 
     With ``outputs=True`` each block returns ``(x, y)`` and the result is ``(x, ys)``, the ``y`` stacked
-    on a leading layer dim. With ``pipe`` > 1 the stack runs as a pipeline (:mod:`jaxpar.layers.pipeline`).
+    on a leading layer dim. With ``pipe`` > 1 the stack runs as a pipeline (:mod:`jaxpar.layers.pipeline`):
+    each stage scans its layers with the same per-layer policy.
     """
     graphdef, state = nnx.split(blocks)
     rules = active_rules()
     if rules is not None and rules.axis_size("pipe") > 1:
         par = rules.parallel
-        # remat (if any) is applied to each pipeline iteration as a whole, not again per layer;
         # per-layer outputs come back as means over the microbatches, in storage order
-        return pipeline(lambda group, h: _scan(graphdef, group, h, args, "none", outputs), state, x,
+        return pipeline(lambda group, h: _scan(graphdef, group, h, args, remat, outputs), state, x,
                         stages=rules.axis_size("pipe"), repeats=par.pipeline_repeats,
-                        microbatches=par.microbatches or rules.axis_size("pipe"), remat=remat != "none",
-                        outputs=outputs)
+                        microbatches=par.microbatches or rules.axis_size("pipe"), outputs=outputs)
     return _scan(graphdef, state, x, args, remat, outputs)
 
 
@@ -101,9 +93,7 @@ def _scan(graphdef, state, x, args, remat: str, outputs: bool):
         out = nnx.merge(graphdef, layer_state)(h, *args)
         return out if outputs else (out, None)
 
-    if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, ys = jax.lax.scan(body, x, state)
+    x, ys = jax.lax.scan(rematerialise(body, remat), x, state)
     return (x, ys) if outputs else x
 
 
@@ -113,7 +103,7 @@ class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, tensor: int = 1, rngs: nnx.Rngs):
         cfg = cfg.resolved()
         self.cfg = cfg
-        dtype, pd = compute_dtype(cfg), DTYPES[cfg.param_dtype]
+        dtype, pd = compute_dtype(cfg.compute_dtype), DTYPES[cfg.param_dtype]
         self.dtype = dtype
         self.embed = VocabParallelEmbed(cfg.vocab_size, cfg.d_model, vocab_multiple=cfg.vocab_multiple, tensor=tensor,
                                         init_std=cfg.init_std, dtype=dtype, param_dtype=pd, rngs=rngs)
@@ -133,45 +123,54 @@ class GPT(nnx.Module):
         """The stacked layers between embedding and head (a subclass may build others, e.g. MoE)."""
         return stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
 
-    def apply_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""
         return scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
 
-    def forward(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-        """Logits ``[B, T, vocab_padded]`` for ``tokens`` at global ``positions [T]`` (any order)."""
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """The final-normed residual stream ``[B, T, d_model]`` of ``tokens`` at global ``positions [T]``
+        (None: ``0..T-1`` in order; otherwise any order, e.g. zig-zag)."""
         t = tokens.shape[1]
         if t > self.cfg.seq_len and self.pos_embed is not None:
             raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.cfg.seq_len}")
         x = self.embed(tokens)
         if self.pos_embed is not None:
-            pos = jnp.take(constrain_weight(self.pos_embed[...], ("positions", "embed")), positions, axis=0)
+            pos_table = constrain_weight(self.pos_embed[...], ("positions", "embed"))
+            pos = pos_table[:t] if positions is None else jnp.take(pos_table, positions, axis=0)
             x = constrain(x + pos.astype(self.dtype), ("batch", "res_length", "act_embed"))
         x = self.apply_blocks(x, positions)
-        x = self.norm_f(x)
-        return self.embed.attend(x) if self.head is None else self.head(x)
+        return self.norm_f(x)
+
+    def output_weight(self) -> tuple[jax.Array, str]:
+        """The head's weight in its compute layout and its einsum layout (``vd`` tied, ``dv`` untied)."""
+        if self.head is None:
+            return self.embed.table(), "vd"
+        return constrain_weight(self.head.kernel[...], ("embed", "vocab")), "dv"
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """``tokens [B, T]`` -> logits ``[B, T, vocab_padded]`` (pad columns are garbage; use :meth:`loss`)."""
+        """``tokens [B, T]`` -> float32 logits ``[B, T, vocab_padded]`` (pad columns are garbage; use :meth:`loss`)."""
         order = sequence_order(tokens.shape[1])
-        if order is None:
-            return self.forward(tokens, jnp.arange(tokens.shape[1]))
-        logits = self.forward(tokens[:, order], jnp.asarray(order))
-        return logits[:, np.argsort(order)]
+        x = self.hidden(tokens) if order is None else self.hidden(tokens[:, order], jnp.asarray(order))
+        logits = vocab_logits(x, *self.output_weight(), self.dtype)
+        return logits if order is None else logits[:, np.argsort(order)]
 
     def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (float32) and a dict of auxiliary metrics.
 
-        Under zig-zag ring attention the tokens and targets are permuted together (the mean does
-        not depend on the order), so the logits are never put back in order.
+        The head and the loss run fused over chunks of at most ``model.loss_chunk_tokens`` tokens per
+        device (:func:`~jaxpar.layers.loss.head_cross_entropy`), so the float32 logits of the whole
+        batch never exist. Under zig-zag ring attention the tokens and targets are permuted together
+        (the mean does not depend on the order), so nothing is put back in order.
         """
         order = sequence_order(tokens.shape[1])
         if order is None:
-            logits = self.forward(tokens, jnp.arange(tokens.shape[1]))
+            x = self.hidden(tokens)
         else:
             tokens, targets = tokens[:, order], targets[:, order]
-            logits = self.forward(tokens, jnp.asarray(order))
-        per_token = vocab_parallel_cross_entropy(logits, targets, self.cfg.vocab_size)
-        return jnp.mean(per_token), {}
+            x = self.hidden(tokens, jnp.asarray(order))
+        w, layout = self.output_weight()
+        return head_cross_entropy(x, w, targets, self.cfg.vocab_size, layout=layout, dtype=self.dtype,
+                                  chunk_tokens=self.cfg.loss_chunk_tokens), {}
 
 
 def sequence_order(t: int) -> np.ndarray | None:

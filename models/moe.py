@@ -53,7 +53,7 @@ class MoEBlock(Block):
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
         x = x + self.attn(self.norm1(x), positions)
         y, stats = self.mlp(self.norm2(x))
         return constrain(x + y, ("batch", "res_length", "act_embed")), stats
@@ -67,7 +67,7 @@ class MoEGroup(nnx.Module):
                       if moe.every > 1 else None)
         self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
         if self.dense is not None:
             x = scan_blocks(self.dense, x, positions)
         return self.moe(x, positions)
@@ -86,9 +86,9 @@ class MoETransformer(GPT):
         groups = cfg.n_layers // self.moe_cfg.every
         return stacked(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r), groups, rngs)
 
-    def apply_blocks(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         x, stats = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat, outputs=True)
-        # GPT's forward returns only the logits: the router statistics ([groups] / [groups, E]) leave
+        # GPT's hidden() returns only the residual stream: the router statistics ([groups] / [groups, E]) leave
         # through Flax's intermediates, collected by nnx.capture in loss / __call__.
         self.sow(nnx.Intermediate, "moe_stats", stats)
         return x

@@ -1,5 +1,6 @@
-"""Model options: rematerialisation does not change the math, depth does not grow the program,
-bfloat16 compute stays close to float32, and the padded vocabulary is masked."""
+"""Model options: rematerialisation policies and the chunked loss do not change the math and save
+what they should, depth does not grow the program, bfloat16 compute stays close to float32, and the
+padded vocabulary is masked."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,12 +9,127 @@ import pytest
 from helpers import assert_trees_close, config, loss_grads, rel_err, trainer
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
-def test_remat_same_loss_and_grads(remat):
-    ref = loss_grads(config("llama", parallel__data=2))
+@pytest.fixture(scope="module")
+def no_remat():
+    return loss_grads(config("llama", parallel__data=2))
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "offload"])
+def test_remat_same_loss_and_grads(no_remat, remat):
     got = loss_grads(config("llama", parallel__data=2, model__remat=remat))
-    assert rel_err(got[0], ref[0]) <= 1e-6
-    assert_trees_close(got[1], ref[1], 1e-5, f"remat={remat} grads ")
+    assert rel_err(got[0], no_remat[0]) <= 1e-6
+    assert_trees_close(got[1], no_remat[1], 1e-5, f"remat={remat} grads ")
+
+
+@pytest.mark.parametrize("pipe", [1, 2])
+def test_remat_policies_order_the_memory(pipe):
+    """Per-device temp bytes of the compiled step fall as the policy keeps less, with and without the
+    pipeline (which used to turn every policy into full remat of whole iterations)."""
+    temp = {r: trainer(config("llama", model__remat=r, model__n_layers=4, model__seq_len=64, train__batch_size=8,
+                              parallel__pipe=pipe)).compile()["memory"]["temp_size"]
+            for r in ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full")}
+    values = list(temp.values())
+    assert all(a > b for a, b in zip(values, values[1:])), temp
+    assert temp["full"] < temp["none"] / 2, temp
+
+
+def test_remat_names_reach_every_matmul():
+    """save_dots keeps exactly the five named outputs: the compiled step with save_dots has the same
+    temp bytes as a hand-written policy saving every weight matmul without batch dims plus the
+    attention output (the same residuals, found by jax's dot rule instead of by name)."""
+    import jax
+    from jaxpar.layers import remat as remat_mod
+
+    named = trainer(config("llama", model__remat="save_dots")).compile()["memory"]["temp_size"]
+    dots = jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("attention"))
+    original = remat_mod.policy
+    try:
+        remat_mod.policy = lambda name: dots
+        by_dots = trainer(config("llama", model__remat="save_dots")).compile()["memory"]["temp_size"]
+    finally:
+        remat_mod.policy = original
+    assert named == by_dots, (named, by_dots)
+
+
+@pytest.mark.parametrize("style, layout", [
+    ("gpt2", {}), ("llama", {}), ("gpt2", dict(parallel__data=2, parallel__tensor=2)),
+    ("gpt2", dict(parallel__seq=2, parallel__seq_attention="ring")),
+    ("llama_gqa", dict(parallel__seq=2, parallel__tensor=2, parallel__sequence_parallel=True))],
+    ids=["gpt2", "llama", "gpt2-data2-tensor2", "gpt2-ring-seq2", "llama-seq2-tensor2-megatron_sp"])
+def test_chunked_loss_equals_whole_batch_loss(style, layout):
+    """The head + cross-entropy over chunks of 16 tokens per device (4-16 chunks here) give the loss
+    and gradients of the whole-batch computation (tied and untied heads, vocabulary split over
+    tensor, zig-zag sequence order, Megatron-SP)."""
+    from jaxpar.layers.loss import loss_chunks
+
+    whole = loss_grads(config(style, model__loss_chunk_tokens=0, **layout))
+    cfg = config(style, model__loss_chunk_tokens=16, **layout)
+    t = trainer(cfg)
+    rows = cfg.train.batch_size // (t.sizes["data"] * t.sizes["expert"])
+    length = cfg.model.seq_len // (t.sizes["seq"] * (t.sizes["tensor"] if cfg.parallel.sequence_parallel else 1))
+    assert loss_chunks(rows, length, 16) >= 4
+    chunked = loss_grads(cfg)
+    assert rel_err(chunked[0], whole[0]) <= 1e-6
+    assert_trees_close(chunked[1], whole[1], 1e-5, "chunked loss grads ")
+
+
+def test_chunked_loss_bounds_the_logits_memory():
+    """At 16 x 256 tokens and a 32000-word vocabulary the float32 logits alone are 524 MB: the loss
+    over the whole batch at once holds them (and more); in chunks of 256 tokens the step's temp
+    memory is a small fraction of that."""
+    over = dict(model__vocab_size=32000, model__seq_len=256, train__batch_size=16, model__n_layers=1)
+    whole = trainer(config("llama", model__loss_chunk_tokens=0, **over)).compile()["memory"]["temp_size"]
+    chunked = trainer(config("llama", model__loss_chunk_tokens=256, **over)).compile()["memory"]["temp_size"]
+    logits = 16 * 256 * 32000 * 4
+    print(f"temp bytes: whole batch {whole / 2**20:.0f} MiB, 256-token chunks {chunked / 2**20:.0f} MiB")
+    assert whole >= logits
+    assert chunked <= whole / 6
+
+
+def _head_loss_reference(x, w, targets, vocab, layout):
+    """The unfused loss, differentiated by JAX: whole-batch float32 logits, then cross-entropy."""
+    from jaxpar.layers.embedding import vocab_logits, vocab_parallel_cross_entropy
+
+    return jnp.mean(vocab_parallel_cross_entropy(vocab_logits(x, w, layout, jnp.float32), targets, vocab))
+
+
+@pytest.mark.parametrize("layout, mesh", [
+    ("vd", {}), ("dv", dict(data=2, tensor=2)), ("vd", dict(data=2, seq=2, tensor=2)),
+    ("dv", dict(data=2, tensor=4, sequence_parallel=True)), ("vd", dict(expert=2, tensor=2))],
+    ids=["tied-1", "untied-data2-tensor2", "tied-data2-seq2-tensor2", "untied-data2-tensor4-megatron_sp",
+         "tied-expert2-tensor2"])
+def test_fused_head_loss_equals_autodiff_of_the_unfused_loss(layout, mesh):
+    """head_cross_entropy (chunks of 8 tokens per device, gradients computed in its forward) against
+    JAX's gradient of the whole-batch logits + cross-entropy, on meshes that split the tokens
+    (data, expert, seq) and the vocabulary (tensor), and under Megatron-SP."""
+    import jax
+    from jaxpar.layers.loss import head_cross_entropy
+    from jaxpar.mesh import make_mesh
+    from jaxpar.partitioning import make_rules, use_rules
+
+    cfg = config("gpt2", **{f"parallel__{k}": v for k, v in mesh.items()})
+    m = make_mesh(cfg.parallel, jax.devices()[: max(1, int(np.prod([v for v in mesh.values() if v is not True])))])
+    rules = make_rules(cfg.parallel, m)
+    rng = np.random.default_rng(5)
+    b, t, d, vp, vocab = 8, 32, 16, 64, 60
+    x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(vp, d) if layout == "vd" else (d, vp)) * 0.5, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, size=(b, t)), jnp.int32)
+
+    def under_rules(f):
+        def g(x, w):
+            with use_rules(rules):
+                return f(x, w, targets, vocab, layout)
+        return jax.jit(jax.value_and_grad(g, (0, 1)))
+
+    fused = under_rules(lambda *a: head_cross_entropy(*a[:4], layout=a[4], dtype=jnp.float32, chunk_tokens=8))
+    loss, grads = fused(x, w)
+    ref_loss, ref_grads = under_rules(_head_loss_reference)(x, w)
+    assert rel_err(loss, ref_loss) <= 1e-6
+    for a, r in zip(grads, ref_grads):
+        assert rel_err(a, r) <= 1e-5
 
 
 def test_layer_scan_keeps_program_size_flat_in_depth():

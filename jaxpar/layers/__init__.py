@@ -4,15 +4,18 @@ Sharding is declared by logical axis names (see :mod:`jaxpar.partitioning`); und
 ``jaxpar.partitioning.use_rules(rules)`` the layers constrain their activations accordingly.
 """
 
-from jaxpar.layers.attention import Attention, causal_attention, rope
-from jaxpar.layers.embedding import VocabParallelEmbed, padded_init, padded_vocab, vocab_parallel_cross_entropy
+from jaxpar.layers.attention import Attention
+from jaxpar.layers.attention_ops import attention, causal_attention, rope
+from jaxpar.layers.embedding import (VocabParallelEmbed, padded_init, padded_vocab, vocab_logits,
+                                     vocab_parallel_cross_entropy)
+from jaxpar.layers.loss import head_cross_entropy
 from jaxpar.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from jaxpar.layers.mlp import MLP
 from jaxpar.layers.moe import MoE, Routing, expert_capacity, route
 from jaxpar.layers.norm import LayerNorm, RMSNorm, make_norm
 
 __all__ = [
-    "Attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init", "padded_vocab",
-    "vocab_parallel_cross_entropy", "ColumnParallelLinear", "ParallelLinear", "RowParallelLinear", "MLP",
-    "LayerNorm", "RMSNorm", "make_norm", "MoE", "Routing", "expert_capacity", "route",
+    "Attention", "attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init", "padded_vocab",
+    "vocab_logits", "vocab_parallel_cross_entropy", "head_cross_entropy", "ColumnParallelLinear", "ParallelLinear",
+    "RowParallelLinear", "MLP", "LayerNorm", "RMSNorm", "make_norm", "MoE", "Routing", "expert_capacity", "route",
 ]

@@ -1,8 +1,15 @@
 """Causal self-attention (MHA and GQA; RoPE or external positions) with heads split over ``tensor``.
 
-Q, K, V are projected by one column-parallel kernel split by KV heads; the output projection ``(heads, head_dim) -> embed`` is row-parallel, so
-the block costs one all-reduce forward under tensor parallelism. With GQA the ``heads`` are
-grouped ``[kv_heads, group]`` so that each device keeps whole groups and K/V are never copied.
+Q, K, V are projected by one column-parallel kernel split by KV heads; the output projection
+``(heads, head_dim) -> embed`` is row-parallel, so the block costs one all-reduce forward under
+tensor parallelism. With GQA the ``heads`` are grouped ``[kv_heads, group]`` so that each device
+keeps whole groups and K/V are never copied. The attention itself (kernel choice, context
+parallelism) is :func:`jaxpar.layers.context_parallel.sharded_attention` over the math of
+:mod:`jaxpar.layers.attention_ops`.
+
+Rematerialisation names (``jax.ad_checkpoint.checkpoint_name``, see :mod:`jaxpar.layers.remat`):
+``qkv_proj`` (the fused projection), ``attention`` (the attention output, before the
+out-projection) and ``out_proj``.
 """
 
 from __future__ import annotations
@@ -10,44 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.layers import attention_ops
+from jaxpar.layers.attention_ops import rope
+from jaxpar.layers.context_parallel import sharded_attention
 from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
-from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary embedding (rotate-half layout, as Llama): ``x [B, T, H, D]``, ``positions [T]`` or ``[B, T]``."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    ang = positions.astype(jnp.float32)[..., None] * inv  # [.., T, D/2]
-    if ang.ndim == 2:
-        ang = ang[None]
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array | None = None,
-                     k_pos: jax.Array | None = None) -> jax.Array:
-    """Softmax attention with a causal mask on global positions (float32 softmax).
-
-    ``q [B, T, H, D]``, ``k, v [B, S, KV, D]`` with ``H % KV == 0``; positions default to
-    ``arange``. Returns ``[B, T, H, D]``.
-    """
-    b, t, h, d = q.shape
-    s, kv = k.shape[1], k.shape[2]
-    g = h // kv
-    q_pos = jnp.arange(t) if q_pos is None else q_pos
-    k_pos = jnp.arange(s) if k_pos is None else k_pos
-    qg = q.reshape(b, t, kv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-    mask = q_pos[:, None] >= k_pos[None, :]
-    scores = jnp.where(mask, scores, -1e30)
-    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v)
-    return out.reshape(b, t, h, d)
+from jaxpar.partitioning import constrain, constrain_weight, param
 
 
 class Attention(nnx.Module):
@@ -62,14 +38,17 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, use_bias: bool = True,
                  rope_theta: float | None = None, init_std: float = 0.02, out_init_std: float | None = None,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 kernel: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        # an explicit kernel that cannot run here fails now; auto also looks at the sequence length per call
+        attention_ops.choose(kernel, dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
+        self.kernel = kernel
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
         self.rope_theta = rope_theta
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.qkv = ColumnParallelLinear(d_model, (n_kv_heads, self.group + 2, head_dim),
+        self.qkv = ColumnParallelLinear(d_model, (n_kv_heads, self.group + 2, head_dim), name="qkv_proj",
                                         out_axes=("kv_heads", "fused", "head_dim"),
                                         act_axes=("batch", "length", "act_kv_heads", None, "act_head_dim"),
                                         use_bias=False, kernel_init=nnx.initializers.normal(init_std), **kw)
@@ -78,14 +57,15 @@ class Attention(nnx.Module):
         self.q_bias = param(jnp.zeros((n_heads, head_dim), param_dtype), ("heads", "head_dim")) if use_bias else None
         self.v_bias = param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim")) if use_bias else None
         self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), use_bias=use_bias,
+                                   name="out_proj",
                                    kernel_init=nnx.initializers.normal(out_init_std or init_std), **kw)
         self.dtype = dtype
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """``x [B, T, d]``; ``positions [T]``: global positions of the tokens (they may be permuted,
-        e.g. zig-zag ordered for ring attention). With ``seq`` > 1 attention runs context-parallel."""
+        """``x [B, T, d]``; ``positions [T]``: the tokens' global positions when they are not
+        ``0..T-1`` in order (e.g. zig-zag ordered for ring attention), else None. With ``seq`` > 1
+        attention runs context-parallel."""
         b, t = x.shape[:2]
-        positions = jnp.arange(t) if positions is None else positions
         qkv = self.qkv(x)  # [B, T, KV, group + 2, D]
         q = qkv[..., : self.group, :].reshape(b, t, self.n_heads, self.head_dim)
         k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
@@ -94,14 +74,8 @@ class Attention(nnx.Module):
             v = v + constrain_weight(self.v_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
         q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))
         if self.rope_theta is not None:
-            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-        rules = active_rules()
-        if rules is not None and rules.seq_attention is not None:
-            from jaxpar.layers.context_parallel import sequence_parallel_attention
-
-            out = sequence_parallel_attention(q, k, v, positions, rules, rules.seq_attention,
-                                              rules.parallel.seq_zigzag)
-        else:
-            out = causal_attention(q, k, v, positions, positions)
-        out = constrain(out, ("batch", "length", "act_heads", "act_head_dim"))
+            pos = jnp.arange(t) if positions is None else positions
+            q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
+        out = sharded_attention(q, k, v, positions, self.kernel)
+        out = checkpoint_name(constrain(out, ("batch", "length", "act_heads", "act_head_dim")), "attention")
         return self.o(out)

@@ -16,6 +16,16 @@ Three strategies, each one ``jax.shard_map`` over the whole mesh with explicit `
 ``ulysses``     all-to-all from sequence-split to head-split, full-sequence attention on H/N heads,
                 all-to-all back (DeepSpeed-Ulysses). Needs heads and KV heads divisible by N
                 (times the tensor size).
+
+Kernels (``model.attention``, :mod:`jaxpar.layers.attention_ops`): ``all_gather`` and ``ulysses``
+run their local attention with the chosen kernel (cuDNN / Pallas flash where the platform has
+it): ulysses' is plain causal; all_gather's is causal shifted by the device's first position
+(cuDNN takes that shift as a mask, the static Pallas masks as one kernel per device picked with
+``lax.switch``). The ring keeps its XLA blocks: combining blocks needs each block's softmax
+statistics (log-sum-exp) *with their gradient*, and neither fused kernel gives that through JAX's
+public API (cuDNN's ``return_residual`` statistics get no cotangent in its VJP; the Pallas kernels
+refuse to differentiate when they return them). Each ring block is an online-softmax update
+rematerialised in the backward, so its memory is one ``[T/N, T/N]`` block per head group.
 """
 
 from __future__ import annotations
@@ -26,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.layers.attention import causal_attention
+from jaxpar.layers.attention_ops import NEG, attention
+from jaxpar.layers.precision import f32_einsum
+from jaxpar.partitioning import active_rules
 
-NEG = -1e30
 STRATEGIES = ("all_gather", "ring", "ulysses")
 
 
@@ -67,14 +78,14 @@ def _update(carry, q, k, v, q_pos, k_pos, scale):
     Rematerialised: the backward recomputes the block's scores instead of keeping them for every
     ring step, so memory holds one ``[Tq, Tk]`` block at a time (as flash / ring attention do)."""
     o, m, l = carry
-    s = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) * scale
+    s = f32_einsum("btkgd,bskd->bkgts", q, k) * scale
     mask = q_pos[:, None] >= k_pos[None, :]
     s = jnp.where(mask, s, NEG)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + p.sum(-1)
-    o = o * jnp.moveaxis(corr, -1, 1)[..., None] + jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v)
+    o = o * jnp.moveaxis(corr, -1, 1)[..., None] + f32_einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v)
     return o, m_new, l
 
 
@@ -128,36 +139,71 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def all_gather_attention(q, k, v, q_pos, k_pos, *, axis: str):
+def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str):
+    """Local queries over the gathered K/V: ``kernel``'s causal mask shifted by this device's first
+    position (by explicit positions when the tokens are not in order)."""
     k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-    kp_all = jax.lax.all_gather(k_pos, axis, axis=0, tiled=True)
-    return causal_attention(q, k_all, v_all, q_pos, kp_all)
+    if pos is not None:
+        return attention(q, k_all, v_all, kernel, q_pos=pos, k_pos=jax.lax.all_gather(pos, axis, axis=0, tiled=True))
+    t, i = q.shape[1], jax.lax.axis_index(axis)
+    if kernel == "pallas":  # its mask is static: one kernel per device's offset, the right one picked at run time
+        branches = [functools.partial(attention, kernel=kernel, q_offset=j * t) for j in range(jax.lax.axis_size(axis))]
+        return jax.lax.switch(i, branches, q, k_all, v_all)
+    return attention(q, k_all, v_all, kernel, q_offset=i * t)
 
 
-def ulysses_attention(q, k, v, q_pos, k_pos, *, axis: str):
+def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str):
+    """All-to-all from sequence-split to head-split, whole-sequence attention, and back."""
     def to_heads(x):  # [B, T/N, H, D] -> [B, T, H/N, D]
         return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
 
-    pos = jax.lax.all_gather(q_pos, axis, axis=0, tiled=True)
-    out = causal_attention(to_heads(q), to_heads(k), to_heads(v), pos, pos)
+    pos = None if pos is None else jax.lax.all_gather(pos, axis, axis=0, tiled=True)
+    out = attention(to_heads(q), to_heads(k), to_heads(v), kernel, q_pos=pos, k_pos=pos)
     return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def sequence_parallel_attention(q, k, v, positions, rules, strategy: str, zigzag: bool = True):
-    """Causal attention of sequence-split ``q [B,T,H,D]``, ``k, v [B,T,KV,D]`` (global arrays) over
-    ``seq``; ``positions [T]`` are the global positions of the (possibly zig-zag ordered) tokens."""
-    if strategy not in STRATEGIES:
+def sharded_attention(q, k, v, positions, kernel: str = "xla"):
+    """Causal attention of the global ``q [B,T,H,D]``, ``k, v [B,T,KV,D]`` under the active rules.
+
+    ``positions [T]``: the tokens' global positions when they are not in order (zig-zag), else None.
+    Without a multi-device mesh this is :func:`attention`; with one it runs in a ``shard_map`` over
+    the whole mesh (batch over the batch axes, heads over ``tensor``), every device computing its
+    own heads and tokens with ``kernel``, and with ``seq`` > 1 the strategy of
+    ``parallel.seq_attention`` exchanges K/V over ``seq``.
+    """
+    rules = active_rules()
+    mesh = None if rules is None else rules.mesh
+    if mesh is None or mesh.size == 1:
+        return attention(q, k, v, kernel, q_pos=positions, k_pos=positions)
+    strategy = rules.seq_attention
+    if strategy is None:
+        def local(q, k, v, pos):
+            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos)
+    elif strategy == "ring":
+        def local(q, k, v, pos):
+            if pos is None:
+                t = q.shape[1]
+                pos = jax.lax.axis_index("seq") * t + jnp.arange(t)
+            return ring_attention(q, k, v, pos, pos, axis="seq", zigzag=rules.parallel.seq_zigzag)
+    elif strategy in STRATEGIES:
+        cp = {"all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
+        local = functools.partial(cp, axis="seq", kernel=kernel)
+    else:
         raise ValueError(f"unknown seq attention strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     p = rules.params
     qs = p.spec(("batch", "length", "act_heads", "act_head_dim"))
     ks = p.spec(("batch", "length", "act_kv_heads", "act_head_dim"))
-    ps = p.spec(("length",))
-    kernel = {"all_gather": all_gather_attention, "ulysses": ulysses_attention,
-              "ring": functools.partial(ring_attention, zigzag=zigzag)}[strategy]
-    # check_vma=False for the ring: under vmap (pipeline stages) JAX 0.10's varying-axes check
-    # rejects the loop's online-softmax update; every input here is split over `seq` and the only
-    # cross-device ops are the explicit ppermutes, so the check adds nothing to correctness.
-    fn = jax.shard_map(lambda q, k, v, pos: kernel(q, k, v, pos, pos, axis="seq"), mesh=p.mesh,
-                       in_specs=(qs, ks, ks, ps), out_specs=qs, check_vma=strategy != "ring")
-    return fn(q, k, v, positions)
+    specs, args = (qs, ks, ks), (q, k, v)
+    if positions is not None:
+        specs, args = specs + (p.spec(("length",)),), args + (positions,)
+    # check_vma=False: under vmap (pipeline stages) JAX 0.10's varying-axes check rejects the ring's
+    # online-softmax loop, and fused kernels carry no varying-axes rules; every input and output is
+    # split over the batch, sequence and head axes (nothing is replicated) and the only cross-device
+    # ops are the explicit collectives above, so the check adds nothing to correctness.
+    # manual over the axes of size > 1 only: every one of them splits q, k and v (the pipeline's vmap
+    # adds `pipe`), so the backward has no axis to sum a replicated input's gradient over
+    manual = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+    fn = jax.shard_map(lambda q, k, v, *pos: local(q, k, v, pos[0] if pos else None), mesh=mesh,
+                       in_specs=specs, out_specs=qs, axis_names=manual, check_vma=False)
+    return fn(*args)

@@ -7,6 +7,9 @@
 * Loss: ``logsumexp`` is a max-reduce and a sum-reduce over the split dim (all-reduces of
   ``[batch, length]`` scalars) and the target logit is picked by comparing a vocab iota with the
   target, so no device ever holds a ``[batch, length, vocab]`` array whole.
+* Logits (:func:`vocab_logits`) accumulate in float32 (:func:`~jaxpar.layers.precision.f32_einsum`).
+  Training does not compute them for the whole batch: :mod:`jaxpar.layers.loss` fuses the head and
+  the cross-entropy over chunks of tokens.
 
 The table is padded to a multiple of ``vocab_multiple`` (and of the tensor size) so that any
 vocabulary size splits evenly; the padded logits are masked out of the softmax. Initial values
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 
@@ -86,9 +90,32 @@ class VocabParallelEmbed(nnx.Module):
         return fn(ids, self.embedding[...])
 
     def attend(self, x: jax.Array) -> jax.Array:
-        x = constrain(x, ("batch", "length", "act_embed"))  # gathered along the sequence under Megatron-SP
-        logits = jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.table().astype(self.dtype))
-        return constrain(logits, ("batch", "length", "act_vocab"))
+        """Tied output logits ``x @ table.T`` (float32, ``[..., vocab_padded]``)."""
+        return vocab_logits(x, self.table(), "vd", self.dtype)
+
+
+def vocab_logits(x: jax.Array, w: jax.Array, layout: str, dtype) -> jax.Array:
+    """Float32 logits of ``x [B, T, d]`` against the output weight ``w`` (``layout`` ``"vd"``: the
+    ``[vocab, embed]`` table; ``"dv"``: a ``[embed, vocab]`` head), split over the vocabulary. The
+    matmul runs in ``dtype`` and accumulates in float32 (:func:`f32_einsum`)."""
+    spec = f"btd,{layout}->btv"
+    rules = active_rules()
+    if rules is not None and rules.megatron_sp:
+        # Megatron-SP: x arrives split along the sequence over tensor; all-gather it explicitly (the
+        # backward is then a reduce-scatter, as after every column-parallel layer)
+        p = rules.params
+        w_names = ("vocab", "embed") if layout == "vd" else ("embed", "vocab")
+
+        def local(x, w):
+            x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+            return f32_einsum(spec, x.astype(dtype), w.astype(dtype))
+
+        return jax.shard_map(local, mesh=p.mesh, in_specs=(p.spec(("batch", "res_length", "act_embed")),
+                                                           rules.compute.spec(w_names)),
+                             out_specs=p.spec(("batch", "length", "act_vocab")))(x, w)
+    x = constrain(x, ("batch", "length", "act_embed"))
+    logits = f32_einsum(spec, x.astype(dtype), w.astype(dtype))
+    return constrain(logits, ("batch", "length", "act_vocab"))
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array, vocab_size: int | None = None

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
@@ -40,12 +41,13 @@ class ParallelLinear(nnx.Module):
         constrained to them (None: leave it to the partitioner).
       kernel_init: initialiser called with the kernel shape ``(*in, *out)``.
       dtype: compute dtype (inputs and kernel are cast to it); param_dtype: storage dtype.
+      name: the output's rematerialisation name (``checkpoint_name``; see :mod:`jaxpar.layers.remat`).
     """
 
     def __init__(self, in_features: Shape, out_features: Shape, *, in_axes: Sequence[str],
                  out_axes: Sequence[str], act_axes: Sequence[str] | None, use_bias: bool = True,
                  kernel_init: Callable = nnx.initializers.normal(0.02), dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, name: str | None = None, rngs: nnx.Rngs):
         self.in_features, self.out_features = _tup(in_features), _tup(out_features)
         if len(in_axes) != len(self.in_features) or len(out_axes) != len(self.out_features):
             raise ValueError("one logical axis name per feature dim is required")
@@ -56,6 +58,7 @@ class ParallelLinear(nnx.Module):
                      if use_bias else None)
         self.act_axes = tuple(act_axes) if act_axes is not None else None
         self.dtype = dtype
+        self.name = name
 
     # Megatron sequence parallelism: "gather" (column: the input arrives split along the sequence
     # over tensor) or "scatter" (row: the output leaves reduce-scattered along the sequence).
@@ -73,11 +76,13 @@ class ParallelLinear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         rules = active_rules()
         if rules is not None and rules.megatron_sp and self.seq_mode is not None:
-            return self._sequence_parallel(x, rules)
-        kernel = constrain_weight(self.kernel[...], self.kernel_axes)
-        bias = None if self.bias is None else constrain_weight(self.bias[...], self.bias_axes)
-        y = self._matmul(x, kernel, bias)
-        return constrain(y, self.act_axes) if self.act_axes is not None else y
+            y = self._sequence_parallel(x, rules)
+        else:
+            kernel = constrain_weight(self.kernel[...], self.kernel_axes)
+            bias = None if self.bias is None else constrain_weight(self.bias[...], self.bias_axes)
+            y = self._matmul(x, kernel, bias)
+            y = constrain(y, self.act_axes) if self.act_axes is not None else y
+        return y if self.name is None else checkpoint_name(y, self.name)
 
     def _sequence_parallel(self, x: jax.Array, rules) -> jax.Array:
         """Explicit Megatron-SP collectives in a shard_map: all-gather the input along the sequence

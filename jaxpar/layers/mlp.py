@@ -1,4 +1,6 @@
-"""Transformer MLP: GELU (GPT-2) or SwiGLU (Llama); column-parallel up, row-parallel down."""
+"""Transformer MLP: GELU (GPT-2) or SwiGLU (Llama); column-parallel up, row-parallel down.
+
+Rematerialisation names: ``mlp_up`` (the up / fused gate-up projection) and ``mlp_down``."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ class MLP(nnx.Module):
         self.kind = kind
         if kind == "swiglu":  # gate and up fused: one matmul, one input-gradient all-reduce under TP
             self.up = ColumnParallelLinear(d_model, (2, d_ff), out_axes=("fused", "mlp"), kernel_init=init,
-                                           act_axes=("batch", "length", None, "act_mlp"), **kw)
+                                           act_axes=("batch", "length", None, "act_mlp"), name="mlp_up", **kw)
         else:
-            self.up = ColumnParallelLinear(d_model, d_ff, kernel_init=init, **kw)
+            self.up = ColumnParallelLinear(d_model, d_ff, kernel_init=init, name="mlp_up", **kw)
         self.down = RowParallelLinear(d_ff, d_model, kernel_init=nnx.initializers.normal(out_init_std or init_std),
-                                      **kw)
+                                      name="mlp_down", **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.kind == "swiglu":

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
@@ -191,10 +192,10 @@ class MoE(nnx.Module):
         return y.reshape(b, t, d).astype(x.dtype), self._stats(logits, r, ax.tokens)
 
     def _experts(self, buf, w_in, w_out):
-        """``buf [E_local, N, d]`` through each local expert's FFN."""
-        h = jnp.einsum("end,ed...->en...", buf, w_in.astype(self.dtype))
+        """``buf [E_local, N, d]`` through each local expert's FFN (remat names ``mlp_up``, ``mlp_down``)."""
+        h = checkpoint_name(jnp.einsum("end,ed...->en...", buf, w_in.astype(self.dtype)), "mlp_up")
         h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if self.kind == "swiglu" else jax.nn.gelu(h, approximate=True)
-        return jnp.einsum("enf,efd->end", h, w_out.astype(self.dtype))
+        return checkpoint_name(jnp.einsum("enf,efd->end", h, w_out.astype(self.dtype)), "mlp_down")
 
     def _stats(self, logits, r: Routing, token_axes: tuple) -> dict:
         g, e, k = logits.shape[0], self.n_experts, self.top_k

@@ -17,7 +17,8 @@ layer dim holds layer :func:`stage_major_order` [p], so that each device's group
 
 Bubble iterations compute on zeros (their results are never used): the compiled flops of the
 pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
-gradient; with ``remat`` each iteration keeps only its inputs for the backward.
+gradient; what each layer keeps for it is the stage function's business (the model applies its
+``model.remat`` policy per layer inside the stage, as it does without a pipeline).
 
 The embedding, final norm and head run outside the stages (replicated over ``pipe``).
 """
@@ -63,7 +64,7 @@ def _last_stage(stages: int):
 
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
-             remat: bool = False, outputs: bool = False):
+             outputs: bool = False):
     """Run ``x [B, ...]`` through the stages; ``params`` leaves are ``[L, ...]`` in stage-major order.
 
     ``stage_fn(group_params, h)`` applies one group of layers (leaves ``[L/(S*R), ...]``) to a
@@ -112,8 +113,6 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
         done = jnp.where(t >= s_ - 1, done.at[out].set(last(state)), done)
         return (state, done, acc), None
 
-    if remat:
-        iteration = jax.checkpoint(iteration, prevent_cse=False)
     (_, done, acc), _ = jax.lax.scan(iteration, (state, done, acc), jnp.arange(m_ * r_ + s_ - 1))
     y = constrain(done.swapaxes(0, 1).reshape(x.shape), act)
     if not outputs:

@@ -1,0 +1,236 @@
+"""The attention math every attention path shares: RoPE, causal attention, and the fused kernels.
+
+One device's attention is :func:`attention` ``(q [B, T, H, D], k, v [B, S, KV, D]) -> [B, T, H, D]``
+(``H % KV == 0``: multi-head, grouped-query or multi-query; K and V are never copied per query
+head), causal on global positions, computed by one of these kernels (``model.attention``):
+
+``xla``     the reference: ``QK^T`` as a float32-accumulated matmul (:func:`f32_einsum`), a float32
+            softmax, ``PV``; materialises the ``[B, KV, G, T, S]`` scores. Any platform.
+``cudnn``   cuDNN's flash attention through ``jax.nn.dot_product_attention(implementation="cudnn")``
+            (GPU; bfloat16/float16; head dim a multiple of 8 up to 128, 256 on Hopper and later). The
+            kernel accumulates and takes the softmax in float32 and never materialises the scores.
+``pallas``  the Pallas flash kernels of JAX: on TPU the splash-attention kernel (GQA native; its
+            blocks need the keys divisible by 128); on GPU the Triton flash kernel (multi-head
+            only, plain causal); on CPU the TPU kernel runs in Pallas's interpret mode, which is slow
+            and exists to test the kernel path.
+``auto``    the fastest one that fits: cudnn on GPU, pallas on TPU, xla on CPU, or xla where the
+            chosen kernel does not fit the shapes or dtype (the math is the same).
+
+The causal mask has three forms: by index (``q_offset = 0``: query row i sees keys 0..i), shifted
+(query row i sees keys ``0..q_offset + i``: the local queries of an all-gathered sequence), or by
+explicit global positions (``q_pos``, ``k_pos``, any order; xla and cudnn only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import ConfigError
+from jaxpar.layers.precision import f32_einsum
+
+KERNELS = ("xla", "cudnn", "pallas")
+CHOICES = ("auto",) + KERNELS
+NEG = -1e30
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
+    """Rotary embedding (rotate-half layout, as Llama): ``x [B, T, H, D]``, ``positions [T]`` or ``[B, T]``."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    ang = positions.astype(jnp.float32)[..., None] * inv  # [.., T, D/2]
+    if ang.ndim == 2:
+        ang = ang[None]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _mask(t: int, s: int, q_offset=0, q_pos=None, k_pos=None) -> jax.Array:
+    """``[T, S]``: query i may see key j (causal on global positions)."""
+    if q_pos is None:
+        q_pos = q_offset + jnp.arange(t)
+    if k_pos is None:
+        k_pos = jnp.arange(s)
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array | None = None,
+                     k_pos: jax.Array | None = None, q_offset=0) -> jax.Array:
+    """The reference (``xla``) kernel: softmax attention with a causal mask, float32 scores and softmax.
+
+    ``q [B, T, H, D]``, ``k, v [B, S, KV, D]`` with ``H % KV == 0``; the mask compares global
+    positions (default: query i at ``q_offset + i``, key j at j). Returns ``[B, T, H, D]``.
+    """
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    scores = f32_einsum("btkgd,bskd->bkgts", qg, k) * np.float32(1.0 / np.sqrt(d))
+    scores = jnp.where(_mask(t, s, q_offset, q_pos, k_pos), scores, NEG)
+    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = f32_einsum("bkgts,bskd->btkgd", p, v)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a kernel
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def _cudnn_max_head_dim() -> int:
+    try:
+        cc = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
+    except (TypeError, ValueError):
+        cc = 0.0
+    return 256 if cc >= 9.0 else 128
+
+
+def unsupported(kernel: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: int,
+                platform: str | None = None) -> str | None:
+    """Why ``kernel`` cannot run this attention on this platform (None: it can). Shapes that only
+    the call knows (sequence lengths) are checked there."""
+    platform = platform or _platform()
+    dtype = jnp.dtype(dtype)
+    if kernel == "cudnn":
+        if platform != "gpu":
+            return f"cuDNN flash attention needs a GPU (this run is on {platform})"
+        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return (f"cuDNN flash attention has no {dtype.name} kernel; it needs model.compute_dtype=bfloat16 "
+                    "(auto is bfloat16 on GPU)")
+        hmax = _cudnn_max_head_dim()
+        if head_dim % 8 or head_dim > hmax:
+            return f"cuDNN flash attention needs a head dim that is a multiple of 8 and <= {hmax}; got {head_dim}"
+    if kernel == "pallas" and platform == "gpu" and n_kv_heads != n_heads:
+        return (f"the Pallas GPU (Triton) flash kernel is multi-head only; model.n_kv_heads={n_kv_heads} != "
+                f"model.n_heads={n_heads} (use cudnn, which runs grouped-query attention without copies)")
+    return None
+
+
+def choose(choice: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: int, platform: str | None = None,
+           seq_len: int | None = None) -> str:
+    """The kernel ``model.attention=choice`` runs: ``auto`` picks; an explicit choice that cannot run
+    is a :class:`ConfigError` naming ``model.attention``."""
+    if choice not in CHOICES:
+        raise ConfigError(f"model.attention={choice!r} is not a valid choice; choose one of {', '.join(CHOICES)}")
+    platform = platform or _platform()
+    facts = dict(dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, platform=platform)
+    if choice != "auto":
+        why = unsupported(choice, **facts)
+        if why:
+            raise ConfigError(f"model.attention={choice}: {why}; choose auto or xla")
+        return choice
+    best = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla")
+    if unsupported(best, **facts) or not _fits(best, seq_len, seq_len, platform):
+        return "xla"
+    return best
+
+
+def _fits(kernel: str, t: int | None, s: int | None, platform: str) -> bool:
+    """Sequence lengths the kernel's blocks can tile (None: not known yet)."""
+    if kernel == "pallas" and platform == "tpu" and t is not None:
+        return t % 128 == 0 and s % 128 == 0
+    if kernel == "cudnn" and t is not None:
+        return t % 2 == 0 and s % 2 == 0
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# One device's attention
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, q_offset=0,
+              q_pos: jax.Array | None = None, k_pos: jax.Array | None = None) -> jax.Array:
+    """Causal attention of ``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with ``kernel``
+    (a choice of :data:`CHOICES`; ``auto`` is resolved here from the shapes).
+
+    The mask: by index shifted by ``q_offset`` (a Python int, or a traced scalar for xla and cudnn),
+    or by explicit global positions ``q_pos [T]``, ``k_pos [S]``.
+    """
+    b, t, h, d = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    platform = _platform()
+    if kernel == "auto":
+        kernel = choose("auto", dtype=q.dtype, head_dim=d, n_heads=h, n_kv_heads=kv, platform=platform, seq_len=t)
+        if not _fits(kernel, t, s, platform):
+            kernel = "xla"
+    positions = q_pos is not None or k_pos is not None
+    if kernel == "xla":
+        return causal_attention(q, k, v, q_pos, k_pos, q_offset)
+    if kernel == "cudnn":
+        plain = not positions and isinstance(q_offset, int) and q_offset == 0 and t == s
+        mask = None if plain else _mask(t, s, q_offset, q_pos, k_pos)[None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=plain, implementation="cudnn")
+    if kernel == "pallas":
+        if positions or not isinstance(q_offset, (int, np.integer)):
+            raise ValueError("the pallas attention kernel needs a static causal offset (no explicit positions)")
+        if platform == "gpu":
+            if q_offset != 0 or t != s:
+                raise ValueError("the Pallas GPU (Triton) flash kernel runs plain causal attention only "
+                                 f"(T == S, no offset); got T={t}, S={s}, offset={q_offset}")
+            return triton_attention(q, k, v)
+        if s % 128:
+            raise ConfigError(f"model.attention=pallas: the splash attention kernel tiles the keys in blocks of 128, "
+                              f"and this attention has {s} keys (model.seq_len, or its share under parallel.seq); "
+                              "choose a multiple of 128, or model.attention=auto / xla")
+        return splash_attention(q, k, v, int(q_offset), interpret=platform != "tpu")
+    raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(CHOICES)}")
+
+
+def _block(n: int) -> int:
+    """The largest of 512, 256, 128 that divides ``n`` (``n`` itself, for short query blocks)."""
+    return next((b for b in (512, 256, 128) if n % b == 0), n)
+
+
+def splash_attention(q, k, v, q_offset: int = 0, *, interpret: bool = False) -> jax.Array:
+    """TPU splash attention (``jax.experimental.pallas.ops.tpu``), causal with a static offset;
+    grouped-query natively (the kernel maps each query head to its KV head)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, t, h, d = q.shape
+    s = k.shape[1]
+    mask = sm.MultiHeadMask([sm.CausalMask((t, s), offset=q_offset) for _ in range(h)])
+    bq, bk = _block(t), _block(s)
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                          block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
+    kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
+    out = jax.vmap(kernel)(heads_first(q * np.asarray(1.0 / np.sqrt(d), q.dtype)), heads_first(k), heads_first(v))
+    return heads_first(out).astype(q.dtype)
+
+
+def triton_attention(q, k, v, *, interpret: bool = False) -> jax.Array:
+    """The Pallas GPU (Triton) flash kernel (``jax.experimental.pallas.ops.gpu.attention``):
+    multi-head, plain causal."""
+    from jax.experimental.pallas.ops.gpu import attention as tri
+
+    t, d = q.shape[1], q.shape[-1]
+    blocks = tri.BlockSizes(block_q=min(128, t), block_k=min(128, t), block_q_dkv=min(32, t),
+                            block_kv_dkv=min(32, t), block_q_dq=min(32, t), block_kv_dq=min(32, t))
+    return tri.mha(q, k, v, None, sm_scale=float(1.0 / np.sqrt(d)), causal=True, block_sizes=blocks,
+                   interpret=interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def describe(choice: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: int, seq_len: int,
+             platform: str | None = None) -> str:
+    """One line for the start-up report: the kernel ``choice`` runs, and why when auto fell back."""
+    platform = platform or _platform()
+    kernel = choose(choice, dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                    platform=platform, seq_len=seq_len)
+    if choice != "auto":
+        return kernel
+    best = {"gpu": "cudnn", "tpu": "pallas"}.get(platform, "xla")
+    if kernel == best:
+        return f"{kernel} (auto on {platform})"
+    why = unsupported(best, dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      platform=platform) or f"sequence length {seq_len} does not tile into its blocks"
+    return f"{kernel} (auto on {platform}: {best} does not fit: {why})"

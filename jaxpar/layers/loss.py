@@ -1,0 +1,149 @@
+"""The lean loss: output head and cross-entropy fused, over chunks of tokens, gradients in the forward.
+
+:func:`head_cross_entropy` is the mean next-token cross-entropy of the logits ``x @ w`` without the
+float32 logits of the whole batch ever existing. Each device walks its tokens in chunks (at most
+``model.loss_chunk_tokens`` per chunk); a chunk computes its float32 logits, their log-sum-exp and
+target logit, and, when the loss is differentiated, its gradients right away:
+
+    p = softmax(logits)                 dlogits = (p - onehot(target)) / N       (N: all tokens)
+    dx_chunk = dlogits @ w^T            dw += x_chunk^T @ dlogits
+
+The loss is the last operation before the backward, so the cotangent of the mean is one scalar
+``g``; the backward only multiplies the stored ``dx`` and ``dw`` by it. Nothing is recomputed (a
+rematerialised chunk loop would run the head matmul a fourth time) and one chunk's logits are the
+only ``[tokens, vocab]`` array alive. Without differentiation (evaluation) only the loss is computed.
+
+Communication, in a ``shard_map`` over the mesh (everything else is local to a device):
+
+* vocabulary split over ``tensor`` (Megatron): per chunk, a max and two sums over ``tensor`` of one
+  float32 per token; after the loop one all-reduce over ``tensor`` of ``dx`` (``[tokens, d_model]``,
+  the head's input gradient), or under Megatron-SP one reduce-scatter along the sequence (after the
+  input's all-gather, as every column-parallel layer does);
+* tokens split over ``data``, ``expert``, ``seq``: ``dw`` is summed locally over the chunks and
+  all-reduced once over those axes (the gradient reduction of the head's weight), the loss likewise.
+
+Matmuls run in the compute dtype with float32 accumulation; ``dw`` accumulates in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.layers.attention_ops import NEG
+from jaxpar.layers.precision import f32_einsum
+from jaxpar.partitioning import active_rules
+
+
+def loss_chunks(batch: int, length: int, chunk_tokens: int) -> int:
+    """How many chunks a device's ``batch x length`` tokens are cut into: the fewest (a divisor of
+    ``length``) with at most ``chunk_tokens`` tokens each (``chunk_tokens`` 0: one chunk)."""
+    if chunk_tokens <= 0 or batch * length <= chunk_tokens:
+        return 1
+    return next((n for n in range(2, length + 1) if length % n == 0 and batch * length // n <= chunk_tokens), length)
+
+
+def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, *, layout: str, dtype,
+                       chunk_tokens: int) -> jax.Array:
+    """Mean cross-entropy of the logits ``x [B, T, d] @ w`` against ``targets [B, T]``; ``w`` is the
+    ``[vocab, embed]`` table (``layout="vd"``, tied) or a ``[embed, vocab]`` head (``"dv"``), padded
+    columns ``>= vocab_size`` masked. Under active rules ``x`` is the residual stream (split like
+    ``res_length``) and ``w`` in its compute layout (vocabulary over ``tensor``)."""
+    b, t, _ = x.shape
+    n_tokens = b * t
+    rules = active_rules()
+    mesh = None if rules is None else rules.mesh
+    if mesh is None or mesh.size == 1:
+        kernel = _Kernel(vocab_size, layout, dtype, chunk_tokens, n_tokens, (), (), False)
+        return _differentiable(kernel.__call__)(x, w, targets)
+    big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
+    vocab_axes = tuple(a for a in rules.compute.axes("vocab") if mesh.shape[a] > 1)
+    token_axes = tuple(dict.fromkeys(a for a in big(("batch", "length")) if a not in vocab_axes))
+    kernel = _Kernel(vocab_size, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes, rules.megatron_sp)
+    p = rules.params
+    x_spec, t_spec = p.spec(("batch", "res_length", "act_embed")), p.spec(("batch", "length"))
+    w_spec = rules.compute.spec(("vocab", "embed") if layout == "vd" else ("embed", "vocab"))
+    manual = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+
+    def sharded(grads: bool):
+        out = (P(), x_spec, w_spec) if grads else P()
+        return jax.shard_map(lambda x, w, t: kernel(x, w, t, grads), mesh=mesh, in_specs=(x_spec, w_spec, t_spec),
+                             out_specs=out, axis_names=manual, check_vma=False)
+
+    return _differentiable(lambda x, w, t, grads=False: sharded(grads)(x, w, t))(x, w, targets)
+
+
+def _differentiable(run):
+    """``run(x, w, t, grads)`` -> loss, or (loss, dx, dw) with grads: a function of (x, w, t) whose
+    VJP scales the forward's ``dx``, ``dw`` by the cotangent of the loss."""
+
+    @jax.custom_vjp
+    def f(x, w, t):
+        return run(x, w, t, grads=False)
+
+    def fwd(x, w, t):
+        loss, dx, dw = run(x, w, t, grads=True)
+        return loss, (dx, dw)
+
+    def bwd(res, g):
+        dx, dw = res
+        return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+class _Kernel:
+    """One device's chunked head + cross-entropy (its collectives over the given mesh axes)."""
+
+    def __init__(self, vocab_size, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes, megatron_sp):
+        self.vocab_size, self.layout, self.dtype, self.chunk_tokens = vocab_size, layout, dtype, chunk_tokens
+        self.n_tokens, self.vocab_axes, self.token_axes, self.sp = n_tokens, vocab_axes, token_axes, megatron_sp
+
+    def _psum(self, v, axes):
+        return jax.lax.psum(v, axes) if axes else v
+
+    def __call__(self, x, w, targets, grads: bool = False):
+        x_dtype, w_dtype = x.dtype, w.dtype
+        if self.sp:  # Megatron-SP: the residual stream arrives split along the sequence over tensor
+            x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+        b, t, d = x.shape
+        n = loss_chunks(b, t, self.chunk_tokens)
+        vd = self.layout == "vd"
+        local_vocab = w.shape[0 if vd else 1]
+        first = jax.lax.axis_index(self.vocab_axes) * local_vocab if self.vocab_axes else 0
+        cols = first + jnp.arange(local_vocab)
+        wc = w.astype(self.dtype)
+        chunks = lambda a: jnp.swapaxes(a.reshape(b, n, t // n, *a.shape[2:]), 0, 1)  # noqa: E731  [n, B, T/n, ...]
+
+        def chunk(carry, xt):
+            loss, dw = carry
+            xc, tc = xt
+            xc = xc.astype(self.dtype)
+            logits = f32_einsum(f"btd,{self.layout}->btv", xc, wc)
+            logits = jnp.where(cols < self.vocab_size, logits, NEG)
+            m = jax.lax.pmax(jnp.max(logits, -1), self.vocab_axes) if self.vocab_axes else jnp.max(logits, -1)
+            e = jnp.exp(logits - m[..., None])
+            s = self._psum(jnp.sum(e, -1), self.vocab_axes)
+            hit = cols == tc[..., None]
+            target = self._psum(jnp.sum(jnp.where(hit, logits, 0.0), -1), self.vocab_axes)
+            loss = loss + jnp.sum(jnp.log(s) + m - target)
+            if not grads:
+                return (loss, dw), None
+            dlogits = ((e / s[..., None] - hit) / self.n_tokens).astype(self.dtype)
+            dx = f32_einsum(f"btv,{self.layout}->btd", dlogits, wc)
+            dw = dw + f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
+            return (loss, dw), dx
+
+        dw0 = jnp.zeros(w.shape, jnp.float32) if grads else None
+        (loss, dw), dx = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), dw0), (chunks(x), chunks(targets)))
+        loss = self._psum(loss, self.token_axes) / self.n_tokens
+        if not grads:
+            return loss
+        dx = jnp.swapaxes(dx, 0, 1).reshape(b, t, d)
+        if self.sp:
+            dx = jax.lax.psum_scatter(dx, "tensor", scatter_dimension=1, tiled=True)
+        elif self.vocab_axes:
+            dx = jax.lax.psum(dx, self.vocab_axes)
+        return loss, dx.astype(x_dtype), self._psum(dw, self.token_axes).astype(w_dtype)

@@ -1,0 +1,77 @@
+"""Rematerialisation policies by name (``model.remat``): what each block keeps for its backward.
+
+jaxpar's layers name the outputs of their weight matmuls and of attention with
+``jax.ad_checkpoint.checkpoint_name``:
+
+===============  =============================================================
+``qkv_proj``     the fused Q/K/V projection                 ``[B, T, KV, G+2, D]``
+``attention``    the attention output (before out-proj)     ``[B, T, H, D]``
+``out_proj``     the attention out-projection               ``[B, T, d_model]``
+``mlp_up``       the MLP (or expert) up / gate-up projection ``[B, T, (2,) d_ff]``
+``mlp_down``     the MLP (or expert) down-projection        ``[B, T, d_model]``
+===============  =============================================================
+
+A policy keeps some of these per layer and recomputes the rest (norms, activations, RoPE and
+whatever is not kept) in the backward, from the layer's input, which the layer scan always keeps:
+
+========================  ==========================================================  ==================
+policy                    kept per layer                                              recomputed
+========================  ==========================================================  ==================
+``none``                  everything the backward reads (no rematerialisation)        nothing
+``save_dots``             all five names (``minimal`` is MaxText's name for it)       elementwise work
+``save_dots_except_mlp``  ``qkv_proj``, ``attention``, ``out_proj``                   the MLP
+``save_qkv_proj``         ``qkv_proj``                                                attention, MLP
+``full``                  nothing but the layer input                                 the whole layer
+``offload``               as ``save_dots``, but in pinned host memory (GPU/TPU)       elementwise work
+========================  ==========================================================  ==================
+
+Memory falls and recompute grows down the table (``offload`` moves ``save_dots``' bytes off the
+device at the cost of host transfers, which the scheduler overlaps with compute). A custom layer
+takes part by naming its outputs the same way.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxpar.config import ConfigError
+
+MATMULS = ("qkv_proj", "attention", "out_proj", "mlp_up", "mlp_down")
+KEPT = {
+    "save_dots": MATMULS,
+    "minimal": MATMULS,
+    "save_dots_except_mlp": ("qkv_proj", "attention", "out_proj"),
+    "save_qkv_proj": ("qkv_proj",),
+    "full": (),
+}
+POLICIES = ("none", "full", "save_dots", "minimal", "save_dots_except_mlp", "save_qkv_proj", "offload")
+
+
+def policy(name: str):
+    """The ``jax.checkpoint`` policy of ``name`` (None for ``none``: no rematerialisation)."""
+    if name not in POLICIES:
+        raise ConfigError(f"model.remat={name!r} is not a valid choice; choose one of {', '.join(POLICIES)}")
+    if name == "none":
+        return None
+    if name == "offload":
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(), names_which_can_be_offloaded=MATMULS, offload_src="device",
+            offload_dst="pinned_host")
+    return jax.checkpoint_policies.save_only_these_names(*KEPT[name])
+
+
+def remat(fn, name: str):
+    """``fn`` rematerialised with policy ``name`` (``fn`` itself for ``none``)."""
+    if name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=policy(name), prevent_cse=False)
+
+
+def check_supported(name: str, device) -> None:
+    """``offload`` needs a pinned host memory space on the device's platform."""
+    policy(name)
+    if name == "offload":
+        kinds = {m.kind for m in device.addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise ConfigError(f"model.remat=offload needs pinned host memory, which {device.platform} devices do not "
+                              f"have (memories: {', '.join(sorted(kinds))}); choose save_dots or full")
