@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Train-step throughput of jaxpar configs on the devices present, against a plain-JAX step.
+
+    python benchmarks/throughput.py                        # the accelerator cases (gpt2_124m, llama_1b)
+    python benchmarks/throughput.py CASE [CASE ...]         # CASE = config.yaml[:key=value,key=value...]
+    python benchmarks/throughput.py --preset cpu            # tiny models, seconds on a CPU
+    python benchmarks/throughput.py --depth 2,24            # compile time of the layer scan against depth
+
+For each case: compile seconds, the median step time over ``--steps`` timed steps (after
+``--warmup``), tokens/s, model TFLOP/s per device and MFU (:mod:`jaxpar.flops`: analytic model
+flops / step time / peak; peak from the device kind or ``--peak-tflops``), peak device memory (the
+allocator's peak where the platform reports it, else the compiled step's argument + temp bytes),
+and, on one device, the same for the plain-JAX step of ``plain_jax.py`` (same model math,
+optimizer, shapes, dtype, attention kernel and remat) and the ratio jaxpar / plain-JAX step time.
+
+Every case runs with synthetic data, no checkpoints and no sample. The table goes to stdout;
+``--json FILE`` writes one JSON object per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+COMMON = ["data.source=synthetic", "checkpoint.enabled=false", "sample.tokens=0", "train.steps=1000"]
+PRESETS = {
+    # the issue's H200 comparison: one device, bf16 compute, fp32 master weights
+    "gpu": ["configs/gpt2_124m.yaml:parallel.data=1,parallel.zero=0,train.batch_size=16,model.remat=none",
+            "configs/llama_1b.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,"
+            "train.grad_accum=1,model.remat=full"],
+    # tiny shapes for a CPU (the test suite runs these)
+    "cpu": ["configs/default.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,model.seq_len=64",
+            "configs/default.yaml:model.style=llama,model.n_kv_heads=2,parallel.data=1,parallel.tensor=1,"
+            "parallel.zero=0,train.batch_size=8,model.seq_len=64,model.remat=full"],
+}
+PLAIN_REMAT = {"none": "none", "full": "full", "save_dots": "save_dots", "minimal": "save_dots"}
+
+
+def parse_case(case: str) -> tuple[str, list[str]]:
+    path, _, over = case.partition(":")
+    return str(ROOT / path) if not os.path.isabs(path) else path, [o for o in over.split(",") if o]
+
+
+def _time_steps(step, n_warmup: int, n_steps: int) -> list[float]:
+    """Wall time of each timed step, each synchronised on its loss."""
+    import jax
+
+    for _ in range(n_warmup):
+        jax.block_until_ready(step())
+    times = []
+    for _ in range(n_steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _peak_memory(compiled_memory: dict) -> tuple[float, str]:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return float(stats["peak_bytes_in_use"]), "allocator peak"
+    return float(compiled_memory.get("argument_size", 0) + compiled_memory.get("temp_size", 0)), "compiled args+temp"
+
+
+def bench_jaxpar(cfg, n_warmup: int, n_steps: int) -> dict:
+    from jaxpar.data import SyntheticSource
+    from jaxpar.trainer import Trainer
+
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    state = trainer.init_state()
+    report = trainer.compile()
+    compile_s = time.perf_counter() - t0
+    src = SyntheticSource(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size)
+    batches = [trainer.place_batch(src.batch(i)) for i in range(2)]
+    box = {"state": state, "i": 0}
+
+    def step():
+        box["state"], metrics = trainer.step(box["state"], batches[box["i"] % 2])
+        box["i"] += 1
+        return metrics["loss"]
+
+    times = _time_steps(step, n_warmup, n_steps)
+    mem, mem_kind = _peak_memory(report.get("memory", {}))
+    return {"compile_s": compile_s, "step_s": statistics.median(times), "times": times, "memory": mem,
+            "memory_kind": mem_kind, "devices": trainer.mesh.size, "kernel": trainer.compute_report()[0],
+            "model_flops_per_step": report["model_flops"]["per_step"], "trainer": trainer}
+
+
+def bench_plain(cfg, n_warmup: int, n_steps: int) -> dict:
+    import jax
+
+    import plain_jax
+    from jaxpar.data import SyntheticSource
+    from jaxpar.layers.attention_ops import choose
+    from jaxpar.layers.precision import compute_dtype
+
+    m = cfg.model.resolved()
+    dtype = compute_dtype(m.compute_dtype)
+    kernel = choose(m.attention, dtype=dtype, head_dim=m.head_dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                    seq_len=m.seq_len)
+    if kernel not in ("xla", "cudnn") or m.remat not in PLAIN_REMAT:
+        return {"skipped": f"the plain step has no {kernel} attention / {m.remat} remat"}
+    t0 = time.perf_counter()
+    base = plain_jax.build(cfg.model, cfg.train, compute_dtype=dtype, attention=kernel, remat=PLAIN_REMAT[m.remat])
+    params = jax.jit(base.init)(jax.random.key(cfg.train.seed))
+    opt_state = jax.jit(base.opt.init)(params)
+    src = SyntheticSource(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size)
+    batches = [jax.device_put(src.batch(i)) for i in range(2)]
+    box = {"p": params, "o": opt_state, "i": 0}
+    jax.block_until_ready(base.step.lower(params, opt_state, batches[0]).compile())
+    compile_s = time.perf_counter() - t0
+
+    def step():
+        box["p"], box["o"], loss = base.step(box["p"], box["o"], batches[box["i"] % 2])
+        box["i"] += 1
+        return loss
+
+    times = _time_steps(step, n_warmup, n_steps)
+    return {"compile_s": compile_s, "step_s": statistics.median(times), "attention": kernel}
+
+
+def run_case(case: str, args) -> dict:
+    import jax
+
+    from jaxpar.config import load_config
+    from jaxpar.flops import peak_flops
+
+    path, over = parse_case(case)
+    cfg = load_config(path, COMMON + over)
+    j = bench_jaxpar(cfg, args.warmup, args.steps)
+    trainer = j.pop("trainer")
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    per_device = j["model_flops_per_step"] / j["devices"]
+    peak = peak_flops(jax.devices()[0], args.peak_tflops)
+    out = {"case": case, "device": jax.devices()[0].device_kind, "devices": j["devices"],
+           "params": trainer.param_count(), "tokens_per_step": tokens, "compile_s": round(j["compile_s"], 3),
+           "step_s": j["step_s"], "tokens_per_sec": tokens / j["step_s"],
+           "model_tflops_per_sec": per_device / j["step_s"] / 1e12,
+           "mfu": per_device / j["step_s"] / peak if peak else None, "peak_memory_bytes": j["memory"],
+           "memory_kind": j["memory_kind"], "compute": j["kernel"]}
+    del trainer
+    if j["devices"] == 1 and not args.no_plain:
+        p = bench_plain(cfg, args.warmup, args.steps)
+        if "skipped" in p:
+            out["plain"] = p["skipped"]
+        else:
+            out.update(plain_step_s=p["step_s"], plain_compile_s=round(p["compile_s"], 3),
+                       plain_mfu=per_device / p["step_s"] / peak if peak else None,
+                       ratio_to_plain=j["step_s"] / p["step_s"])
+    elif j["devices"] > 1:
+        out["plain"] = "n/a: the plain-JAX step runs on one device"
+    return out
+
+
+def depth_scaling(depths: list[int], case: str) -> dict:
+    """Compile seconds of the train step at several depths (the layer scan keeps them flat)."""
+    from jaxpar.config import load_config
+    from jaxpar.trainer import Trainer
+
+    path, over = parse_case(case)
+    out = {}
+    for n in depths:
+        cfg = load_config(path, COMMON + over + [f"model.n_layers={n}"])
+        t = Trainer(cfg)
+        t0 = time.perf_counter()
+        t.compile()
+        out[n] = time.perf_counter() - t0
+    return out
+
+
+def _fmt(r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+    ratio = f"{r['ratio_to_plain']:.2f}" if "ratio_to_plain" in r else r.get("plain", "-")
+    plain_mfu = f" (plain {100 * r['plain_mfu']:.1f}%)" if r.get("plain_mfu") is not None else ""
+    return (f"{r['case']}\n  {r['devices']} x {r['device']}, {r['params'] / 1e6:.1f}M params, {r['tokens_per_step']} "
+            f"tokens/step\n  {r['compute']}\n  compile {r['compile_s']:.1f} s | step {1e3 * r['step_s']:.1f} ms | "
+            f"{r['tokens_per_sec']:,.0f} tokens/s | {r['model_tflops_per_sec']:.2f} model TFLOP/s/device | MFU {mfu}"
+            f"{plain_mfu} | peak memory {r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['memory_kind']}) | "
+            f"jaxpar / plain-JAX step time: {ratio}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="*", help="config.yaml[:key=value,...] (default: --preset gpu)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a named list of cases")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per case (median reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: by device kind)")
+    ap.add_argument("--no-plain", action="store_true", help="skip the plain-JAX comparison")
+    ap.add_argument("--depth", default="", help="comma-separated depths: compile-time scaling of the first case")
+    ap.add_argument("--json", default="", help="write the results (one JSON object per line) to this file")
+    args = ap.parse_args(argv)
+    if args.cases and args.preset:
+        ap.error("give cases or --preset, not both")
+    cases = args.cases or PRESETS[args.preset or "gpu"]
+
+    results = []
+    for case in cases:
+        r = run_case(case, args)
+        results.append(r)
+        print(_fmt(r), flush=True)
+    if args.depth:
+        depths = [int(d) for d in args.depth.split(",")]
+        comp = depth_scaling(depths, cases[0])
+        ratio = comp[depths[-1]] / comp[depths[0]]
+        print(f"compile seconds by depth ({cases[0]}): "
+              + ", ".join(f"{n} layers {s:.2f}" for n, s in comp.items())
+              + f"; {depths[-1]} / {depths[0]} = {ratio:.2f}", flush=True)
+        results.append({"depth_compile_s": {str(k): v for k, v in comp.items()}, "depth_ratio": ratio})
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""benchmarks/throughput.py at tiny sizes on the CPU: it runs, and what it prints is consistent."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_throughput_benchmark_on_cpu(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/throughput.py"), "--preset", "cpu", "--steps", "3",
+                        "--warmup", "1", "--peak-tflops", "2", "--depth", "2,8", "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cases, depth = rows[:-1], rows[-1]
+    assert len(cases) == 2
+    for r in cases:
+        assert r["devices"] == 1 and r["compile_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert abs(r["tokens_per_sec"] * r["step_s"] - r["tokens_per_step"]) < 1e-6 * r["tokens_per_step"]
+        assert abs(r["mfu"] - r["model_tflops_per_sec"] / 2) < 1e-12  # model flops / time / peak
+        assert abs(r["ratio_to_plain"] - r["step_s"] / r["plain_step_s"]) < 1e-12
+        assert abs(r["plain_mfu"] / r["mfu"] - r["ratio_to_plain"]) < 1e-9  # the same model flops, other time
+        assert "attention kernel: xla (auto on cpu)" in r["compute"]
+    assert "remat: full" in cases[1]["compute"]
+    assert set(depth["depth_compile_s"]) == {"2", "8"} and depth["depth_ratio"] > 0
+    assert "jaxpar / plain-JAX step time" in p.stdout and "compile seconds by depth" in p.stdout
