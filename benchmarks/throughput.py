@@ -12,6 +12,8 @@ flops / step time / peak; peak from the device kind or ``--peak-tflops``), peak 
 allocator's peak where the platform reports it, else the compiled step's argument + temp bytes),
 and, on one device, the same for the plain-JAX step of ``plain_jax.py`` (same model math,
 optimizer, shapes, dtype, attention kernel and remat) and the ratio jaxpar / plain-JAX step time.
+The two steps are timed interleaved (jaxpar, plain, jaxpar, plain, ...), so that a machine whose
+speed drifts during the run (a shared CPU) affects both alike.
 
 Every case runs with synthetic data, no checkpoints and no sample. The table goes to stdout;
 ``--json FILE`` writes one JSON object per case.
@@ -50,17 +52,21 @@ def parse_case(case: str) -> tuple[str, list[str]]:
     return str(ROOT / path) if not os.path.isabs(path) else path, [o for o in over.split(",") if o]
 
 
-def _time_steps(step, n_warmup: int, n_steps: int) -> list[float]:
-    """Wall time of each timed step, each synchronised on its loss."""
+def _time_steps(steps: list, n_warmup: int, n_steps: int) -> list[list[float]]:
+    """Wall time of each timed call of each of ``steps`` (each synchronised on its result). The
+    steps are interleaved (a, b, a, b, ...) so that a change in the machine's speed during the run
+    affects them alike and their ratio stays fair."""
     import jax
 
-    for _ in range(n_warmup):
-        jax.block_until_ready(step())
-    times = []
+    for step in steps:
+        for _ in range(n_warmup):
+            jax.block_until_ready(step())
+    times = [[] for _ in steps]
     for _ in range(n_steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - t0)
+        for step, out in zip(steps, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step())
+            out.append(time.perf_counter() - t0)
     return times
 
 
@@ -73,7 +79,8 @@ def _peak_memory(compiled_memory: dict) -> tuple[float, str]:
     return float(compiled_memory.get("argument_size", 0) + compiled_memory.get("temp_size", 0)), "compiled args+temp"
 
 
-def bench_jaxpar(cfg, n_warmup: int, n_steps: int) -> dict:
+def build_jaxpar(cfg) -> dict:
+    """The compiled jaxpar step of ``cfg`` with its state and two batches: ``step()`` runs one."""
     from jaxpar.data import SyntheticSource
     from jaxpar.trainer import Trainer
 
@@ -91,14 +98,11 @@ def bench_jaxpar(cfg, n_warmup: int, n_steps: int) -> dict:
         box["i"] += 1
         return metrics["loss"]
 
-    times = _time_steps(step, n_warmup, n_steps)
-    mem, mem_kind = _peak_memory(report.get("memory", {}))
-    return {"compile_s": compile_s, "step_s": statistics.median(times), "times": times, "memory": mem,
-            "memory_kind": mem_kind, "devices": trainer.mesh.size, "kernel": trainer.compute_report()[0],
-            "model_flops_per_step": report["model_flops"]["per_step"], "trainer": trainer}
+    return {"step": step, "compile_s": compile_s, "report": report, "trainer": trainer}
 
 
-def bench_plain(cfg, n_warmup: int, n_steps: int) -> dict:
+def build_plain(cfg) -> dict:
+    """The plain-JAX step (``plain_jax.py``) of the same model, dtype, attention kernel and remat."""
     import jax
 
     import plain_jax
@@ -127,8 +131,7 @@ def bench_plain(cfg, n_warmup: int, n_steps: int) -> dict:
         box["i"] += 1
         return loss
 
-    times = _time_steps(step, n_warmup, n_steps)
-    return {"compile_s": compile_s, "step_s": statistics.median(times), "attention": kernel}
+    return {"step": step, "compile_s": compile_s}
 
 
 def run_case(case: str, args) -> dict:
@@ -139,28 +142,34 @@ def run_case(case: str, args) -> dict:
 
     path, over = parse_case(case)
     cfg = load_config(path, COMMON + over)
-    j = bench_jaxpar(cfg, args.warmup, args.steps)
-    trainer = j.pop("trainer")
+    j = build_jaxpar(cfg)
+    trainer, report = j["trainer"], j["report"]
+    plain = None
+    if trainer.mesh.size > 1:
+        note = "n/a: the plain-JAX step runs on one device"
+    elif args.no_plain:
+        note = "skipped (--no-plain)"
+    else:
+        plain = build_plain(cfg)
+        note = plain.pop("skipped", None)
+        plain = None if note else plain
+    times = _time_steps([j["step"]] + ([plain["step"]] if plain else []), args.warmup, args.steps)
+    step_s = statistics.median(times[0])
     tokens = cfg.train.batch_size * cfg.model.seq_len
-    per_device = j["model_flops_per_step"] / j["devices"]
+    per_device = report["model_flops"]["per_step_per_device"]
     peak = peak_flops(jax.devices()[0], args.peak_tflops)
-    out = {"case": case, "device": jax.devices()[0].device_kind, "devices": j["devices"],
+    mem, mem_kind = _peak_memory(report.get("memory", {}))
+    out = {"case": case, "device": jax.devices()[0].device_kind, "devices": trainer.mesh.size,
            "params": trainer.param_count(), "tokens_per_step": tokens, "compile_s": round(j["compile_s"], 3),
-           "step_s": j["step_s"], "tokens_per_sec": tokens / j["step_s"],
-           "model_tflops_per_sec": per_device / j["step_s"] / 1e12,
-           "mfu": per_device / j["step_s"] / peak if peak else None, "peak_memory_bytes": j["memory"],
-           "memory_kind": j["memory_kind"], "compute": j["kernel"]}
-    del trainer
-    if j["devices"] == 1 and not args.no_plain:
-        p = bench_plain(cfg, args.warmup, args.steps)
-        if "skipped" in p:
-            out["plain"] = p["skipped"]
-        else:
-            out.update(plain_step_s=p["step_s"], plain_compile_s=round(p["compile_s"], 3),
-                       plain_mfu=per_device / p["step_s"] / peak if peak else None,
-                       ratio_to_plain=j["step_s"] / p["step_s"])
-    elif j["devices"] > 1:
-        out["plain"] = "n/a: the plain-JAX step runs on one device"
+           "step_s": step_s, "tokens_per_sec": tokens / step_s, "model_tflops_per_sec": per_device / step_s / 1e12,
+           "mfu": per_device / step_s / peak if peak else None, "peak_memory_bytes": mem, "memory_kind": mem_kind,
+           "compute": trainer.compute_report()[0]}
+    if plain:
+        plain_s = statistics.median(times[1])
+        out.update(plain_step_s=plain_s, plain_compile_s=round(plain["compile_s"], 3),
+                   plain_mfu=per_device / plain_s / peak if peak else None, ratio_to_plain=step_s / plain_s)
+    else:
+        out["plain"] = note
     return out
 
 

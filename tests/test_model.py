@@ -25,7 +25,7 @@ def test_remat_same_loss_and_grads(no_remat, remat):
 def test_remat_policies_order_the_memory(pipe):
     """Per-device temp bytes of the compiled step fall as the policy keeps less, with and without the
     pipeline (which used to turn every policy into full remat of whole iterations)."""
-    temp = {r: trainer(config("llama", model__remat=r, model__n_layers=4, model__seq_len=64, train__batch_size=8,
+    temp = {r: trainer(config("llama", model__remat=r, model__seq_len=32, train__batch_size=8,
                               parallel__pipe=pipe)).compile()["memory"]["temp_size"]
             for r in ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full")}
     values = list(temp.values())
