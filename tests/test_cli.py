@@ -51,6 +51,9 @@ def test_train_py_contract_and_mesh_independent_losses(tmp_path):
     (["parallel.data=3", "parallel.tensor=1", "parallel.cpu_devices=4"], "needs 3 devices but 4 are available"),
     (["parallel.data=1", "parallel.tensor=3", "model.n_heads=4"], "parallel.tensor=3 does not divide model.n_heads=4"),
     (["--config", "nope.yaml"], "config file 'nope.yaml' does not exist"),
+    (["model.attention=cudnn"], "model.attention=cudnn: cuDNN flash attention needs a GPU (this run is on cpu)"),
+    (["model.remat=save_everything"], "model.remat='save_everything' is not a valid choice; choose one of none"),
+    (["model.loss_chunk_tokens=-1"], "model.loss_chunk_tokens=-1 must be >= 0"),
 ])
 def test_user_errors_are_one_line(args, needle):
     p = train(*args, check=False)

@@ -170,11 +170,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=plain, implementation="cudnn")
     if kernel == "pallas":
         if positions or not isinstance(q_offset, (int, np.integer)):
-            raise ValueError("the pallas attention kernel needs a static causal offset (no explicit positions)")
+            raise ConfigError("model.attention=pallas: the Pallas kernels' causal masks are static, so they cannot "
+                              "take tokens in another order (explicit positions); choose auto or xla")
         if platform == "gpu":
             if q_offset != 0 or t != s:
-                raise ValueError("the Pallas GPU (Triton) flash kernel runs plain causal attention only "
-                                 f"(T == S, no offset); got T={t}, S={s}, offset={q_offset}")
+                raise ConfigError("model.attention=pallas: the Pallas GPU (Triton) flash kernel runs plain causal "
+                                  f"attention only (as many queries as keys, no offset; here {t} queries, {s} keys), "
+                                  "not parallel.seq_attention=all_gather; use model.attention=cudnn or ulysses")
             return triton_attention(q, k, v)
         if s % 128:
             raise ConfigError(f"model.attention=pallas: the splash attention kernel tiles the keys in blocks of 128, "
