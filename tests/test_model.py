@@ -149,6 +149,22 @@ def test_bfloat16_compute_is_close_to_float32():
     assert abs(bf16 - f32) / f32 < 2e-2
 
 
+@pytest.mark.parametrize("style", ["gpt2", "llama_gqa"])
+def test_bfloat16_step_runs_every_matmul_in_bfloat16(style):
+    """model.compute_dtype=bfloat16: every matmul of the train step (forward, backward, the fused
+    loss; tensor-parallel and chunked too) takes two bfloat16 operands, although scores and logits
+    come out in float32; a float32 x bfloat16 matmul would run at the float32 rate on a GPU."""
+    import re
+
+    t = trainer(config(style, model__compute_dtype="bfloat16", parallel__data=2, parallel__tensor=2,
+                       model__loss_chunk_tokens=32))
+    dots = re.findall(r"stablehlo.dot_general[^\n]*: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)",
+                      t.lower().as_text())
+    assert len(dots) >= 18, len(dots)  # 6 per layer body forward and backward, the head's, attention's
+    assert all("bf16" in a and "bf16" in b for a, b, _ in dots), [d for d in dots if "f32" in d[0] + d[1]]
+    assert any("f32" in out for _, _, out in dots)  # scores / logits accumulate into float32
+
+
 def test_padded_vocabulary_is_masked():
     """vocab 250 is padded to 256; the loss equals a float64 softmax over the 250 real columns."""
     t = trainer(config("gpt2"))
