@@ -10,9 +10,14 @@ per executed step; ``static_count`` is the number of HLO instructions.
 
 Bytes: ``bytes`` is the size of the collective's result on one device (for an all-reduce this is
 the reduced array; for an all-gather the gathered array; for a reduce-scatter the scattered shard),
-``operand_bytes`` the size of its inputs. Each collective is labelled with the mesh axes its
-replica groups span (``data``, ``tensor``, ``data+expert`` ...), read from any of the replica-group
-notations XLA prints.
+``operand_bytes`` the size of its inputs. ``wire_bytes`` is what one device sends over the links
+with the bandwidth-optimal algorithms (ring or tree), for a group of ``g`` devices and a result of
+``S`` bytes (:func:`wire_bytes`): all-reduce ``2 (g-1)/g S``, all-gather ``(g-1)/g S``,
+reduce-scatter ``(g-1) S``, all-to-all ``(g-1)/g S``, collective-permute ``S``. It is the number
+the analytic communication model (:mod:`jaxpar.comm`) predicts, and the one that makes a
+reduce-scatter + all-gather cost what one all-reduce costs. Each collective is labelled with the
+mesh axes its replica groups span (``data``, ``tensor``, ``data+expert`` ...), read from any of the
+replica-group notations XLA prints.
 """
 
 from __future__ import annotations
@@ -192,14 +197,26 @@ def axes_of_groups(groups: list[list[int]] | None, mesh_shape: dict[str, int]) -
     return "+".join(a for a in names if a in varying) or "none"
 
 
+def wire_bytes(kind: str, result_bytes: float, group: int) -> float:
+    """Bytes one device sends for a collective of ``kind`` over ``group`` devices whose result on a
+    device is ``result_bytes`` (the module docstring gives the formulas)."""
+    if kind == "collective-permute":
+        return result_bytes
+    if group <= 1:
+        return 0.0
+    factor = {"all-reduce": 2 * (group - 1) / group, "all-gather": (group - 1) / group,
+              "reduce-scatter": group - 1, "all-to-all": (group - 1) / group}[kind]
+    return factor * result_bytes
+
+
 def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
-    """``{kind: {count, static_count, bytes, operand_bytes, max_bytes, by_axes: {axes: {count, bytes}}}}``
-    (``max_bytes``: the largest single instance)."""
+    """``{kind: {count, static_count, bytes, wire_bytes, operand_bytes, max_bytes, by_axes: {axes:
+    {count, bytes, wire_bytes}}}}`` (``max_bytes``: the largest single instance)."""
     comps, entry = parse_computations(hlo)
     mult, unknown = _multiplicity(comps, entry)
     n = int(np.prod(list(mesh_shape.values()))) if mesh_shape else 0
-    out = {k: {"count": 0, "static_count": 0, "bytes": 0, "operand_bytes": 0, "max_bytes": 0, "by_axes": {}}
-           for k in KINDS}
+    out = {k: {"count": 0, "static_count": 0, "bytes": 0, "wire_bytes": 0.0, "operand_bytes": 0, "max_bytes": 0,
+               "by_axes": {}} for k in KINDS}
     for cname, instrs in comps.items():
         m = mult.get(cname, 0)
         if m == 0:
@@ -213,16 +230,20 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
             res_type = done_type.get(ins.name, ins.type) if ins.opcode.endswith("-start") else ins.type
             rb = type_bytes(res_type)
             ob = sum(type_bytes(types.get(o, "")) for o in ins.operands)
+            groups = replica_groups(ins.text, n)
+            wb = wire_bytes(kind, rb, len(groups[0]) if groups else n) * m
             e = out[kind]
             e["count"] += m
             e["static_count"] += 1
             e["bytes"] += rb * m
+            e["wire_bytes"] += wb
             e["operand_bytes"] += ob * m
             e["max_bytes"] = max(e["max_bytes"], rb)
-            label = axes_of_groups(replica_groups(ins.text, n), mesh_shape) if mesh_shape else "?"
-            a = e["by_axes"].setdefault(label, {"count": 0, "bytes": 0})
+            label = axes_of_groups(groups, mesh_shape) if mesh_shape else "?"
+            a = e["by_axes"].setdefault(label, {"count": 0, "bytes": 0, "wire_bytes": 0.0})
             a["count"] += m
             a["bytes"] += rb * m
+            a["wire_bytes"] += wb
     out["unknown_trip_count"] = unknown
     return out
 

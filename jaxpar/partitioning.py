@@ -13,14 +13,21 @@ res_length         seq (+ tensor with Megatron-SP)          residual stream outs
 vocab, act_vocab   tensor                                   vocabulary-parallel embed / loss
 heads, kv_heads    tensor                                   Megatron attention
 mlp, act_mlp       tensor                                   Megatron MLP
-embed              data under ZeRO-3 (params), ZeRO>=1 (opt) FSDP / sharded optimizer state
+embed              data, expert, seq under ZeRO-3 (params)  FSDP / sharded optimizer state over
+                   and ZeRO>=1 (optimizer state)            every axis that splits the batch
+expert_embed       data, seq (idem)                         an expert weight's embed dim (its
+                                                            experts dim already uses expert)
 experts            expert                                   expert parallelism
 stages, layers     pipe                                     pipeline parallelism (stage weights)
 =================  =======================================  ===================================
 
 Two rule sets exist: ``params`` (weights and activations) and ``opt`` (optimizer state, which is
-additionally split over ``data`` under ZeRO-1). A name with no rule, two dims of one array on the
-same mesh axis, or a dim the mesh axes do not divide is an error.
+additionally split over the batch axes under ZeRO-1). A name with no rule, two dims of one array on
+the same mesh axis, or a dim the mesh axes do not divide is an error.
+
+ZeRO shards over every axis that splits the batch (``data``, ``expert``, ``seq``): all of them hold
+replicas of the dense weights, so all of them share the weights' (ZeRO-3) and the optimizer
+state's (ZeRO-1) bytes, and the gradient reduction over them is one reduce-scatter.
 """
 
 from __future__ import annotations
@@ -140,10 +147,18 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": ("pipe",),
         "experts": ("expert",), "stages": ("pipe",),
     }
-    zero = ("data",)
-    return RuleSet(params=Rules(dict(base, embed=zero if par.zero >= 3 else ()), mesh, "params"),
-                   opt=Rules(dict(base, embed=zero if par.zero >= 1 else ()), mesh, "opt"),
-                   compute=Rules(dict(base, embed=()), mesh, "compute"), parallel=par)
+    def zero(stage: int) -> dict:  # where `embed` goes at this ZeRO stage
+        on = par.zero >= stage
+        return {"embed": ZERO_AXES if on else (), "expert_embed": EXPERT_ZERO_AXES if on else ()}
+
+    return RuleSet(params=Rules(dict(base, **zero(3)), mesh, "params"),
+                   opt=Rules(dict(base, **zero(1)), mesh, "opt"),
+                   compute=Rules(dict(base, **zero(99)), mesh, "compute"), parallel=par)
+
+
+# the axes that split the batch, and so hold replicas of the dense weights: ZeRO shards over them
+ZERO_AXES = ("data", "expert", "seq")
+EXPERT_ZERO_AXES = ("data", "seq")  # expert weights: their experts dim is already split over expert
 
 
 def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int]) -> None:
@@ -182,9 +197,12 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
         if par.zero >= 3:
             raise ConfigError("parallel.zero=3 with parallel.pipe > 1 would all-gather every stage's weights on "
                               "every microbatch iteration; use parallel.zero=1 (optimizer state sharded)")
-    if par.zero >= 1 and m.d_model % sizes["data"]:
-        raise ConfigError(f"parallel.zero={par.zero} shards d_model over data: parallel.data={sizes['data']} "
-                          f"does not divide model.d_model={m.d_model}; valid data sizes: {_divisors(m.d_model)}")
+    zero = math.prod(sizes[a] for a in ZERO_AXES)
+    if par.zero >= 1 and m.d_model % zero:
+        shown = " x ".join(f"{a}={sizes[a]}" for a in ZERO_AXES if sizes[a] > 1)
+        raise ConfigError(f"parallel.zero={par.zero} shards d_model over the batch axes ({shown} = {zero}), which do "
+                          f"not divide model.d_model={m.d_model}; choose data x expert x seq among "
+                          f"{_divisors(m.d_model)}, or parallel.zero=0")
 
 
 def check_batch_fits(batch_size: int, grad_accum: int, sizes: dict[str, int], microbatches: int = 0) -> None:

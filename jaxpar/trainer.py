@@ -121,6 +121,9 @@ class Trainer:
             "params": jax.tree.map(ns, self.param_specs, is_leaf=lambda x: isinstance(x, P)),
             "opt": jax.tree.map(ns, self.opt_specs, is_leaf=lambda x: isinstance(x, P)),
         }
+        # gradients live where the optimizer state does: under ZeRO-1 they are reduce-scattered
+        # straight into the optimizer's shards (no all-reduce of the whole gradient)
+        self.grad_shardings = jax.tree.map(ns, opt_param_specs, is_leaf=lambda x: isinstance(x, P))
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract,
@@ -262,7 +265,7 @@ class Trainer:
         if nan_steps:  # fault injection (debug.nan_steps): this step's loss and gradients become NaN
             poison = jnp.where(jnp.isin(state["step"], jnp.asarray(nan_steps)), jnp.nan, 1.0)
             loss, grads = loss * poison, jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
-        grads = jax.lax.with_sharding_constraint(grads, self.state_shardings["params"])
+        grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
         grad_norm = optax.tree.norm(grads)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)

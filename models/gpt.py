@@ -82,9 +82,15 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", ou
     if rules is not None and rules.axis_size("pipe") > 1:
         par = rules.parallel
         # per-layer outputs come back as means over the microbatches, in storage order
+        # each leaf's logical names, so that stages keep their weights' splits (leaves of non-Param
+        # variables, e.g. sown intermediates, have none)
+        axes = [tuple(v.get_metadata().get("out_sharding") or (None,) * leaf.ndim) if isinstance(v, nnx.Param)
+                else (None,) * leaf.ndim
+                for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+                for leaf in jax.tree.leaves(v)]
         return pipeline(lambda group, h: _scan(graphdef, group, h, args, remat, outputs), state, x,
                         stages=rules.axis_size("pipe"), repeats=par.pipeline_repeats,
-                        microbatches=par.microbatches or rules.axis_size("pipe"), outputs=outputs)
+                        microbatches=par.microbatches or rules.axis_size("pipe"), outputs=outputs, param_axes=axes)
     return _scan(graphdef, state, x, args, remat, outputs)
 
 

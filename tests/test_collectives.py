@@ -152,11 +152,13 @@ def test_hlo_reader_counts_loops_bytes_and_axes():
     c = hlo.collectives(HLO, mesh)
     ar = c["all-reduce"]
     assert (ar["count"], ar["static_count"], ar["bytes"]) == (5, 1, 5 * 4 * 8 * 4)
-    assert ar["by_axes"] == {"tensor": {"count": 5, "bytes": 640}}  # groups {0..3},{4..7}
+    # groups {0..3},{4..7}; on the wire a 4-device all-reduce sends 2 * 3/4 of the array
+    assert ar["by_axes"] == {"tensor": {"count": 5, "bytes": 640, "wire_bytes": 960.0}}
     # device_ids [2,4]T(1,0) = [[0,4],[1,5],[2,6],[3,7]] as mesh [4,2], grouped on axis_1 -> {d, d+4}
-    assert c["all-gather"]["by_axes"] == {"data": {"count": 1, "bytes": 16 * 8 * 4}}
-    assert c["collective-permute"]["by_axes"] == {"tensor": {"count": 1, "bytes": 128}}
-    assert c["reduce-scatter"]["by_axes"] == {"tensor": {"count": 1, "bytes": 64}}
+    assert c["all-gather"]["by_axes"] == {"data": {"count": 1, "bytes": 16 * 8 * 4, "wire_bytes": 256.0}}
+    assert c["collective-permute"]["by_axes"] == {"tensor": {"count": 1, "bytes": 128, "wire_bytes": 128.0}}
+    # a 2-device reduce-scatter sends the other device's half: (2-1) x the 64-byte shard
+    assert c["reduce-scatter"]["by_axes"] == {"tensor": {"count": 1, "bytes": 64, "wire_bytes": 64.0}}
     assert c["reduce-scatter"]["operand_bytes"] == 128
     assert not c["unknown_trip_count"]
 

@@ -108,6 +108,61 @@ def test_ring_attention_memory_at_16k_tokens():
     assert ring <= base / 4
 
 
+def _tainted_dots(jaxpr, tainted: set) -> int:
+    """How many matmuls of ``jaxpr`` (sub-jaxprs included) read a value derived from ``tainted``
+    vars; the outputs of ``ppermute`` are tainted as they appear."""
+    tainted, hits = set(tainted), 0
+    for e in jaxpr.eqns:
+        ins = [v for v in e.invars if not hasattr(v, "val")]
+        dirty = any(v in tainted for v in ins)
+        if e.primitive.name == "dot_general" and dirty:
+            hits += 1
+        subs = [p for p in e.params.values() for p in (p if isinstance(p, (list, tuple)) else [p])
+                if hasattr(getattr(p, "jaxpr", p), "eqns")]
+        for sub in subs:
+            inner = getattr(sub, "jaxpr", sub)
+            operands = e.invars[len(e.invars) - len(inner.invars):]  # cond: the predicate comes first
+            hits += _tainted_dots(inner, {iv for iv, ov in zip(inner.invars, operands)
+                                          if not hasattr(ov, "val") and ov in tainted})
+        if dirty or e.primitive.name == "ppermute":
+            tainted.update(e.outvars)
+    return hits
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_ring_sends_the_next_block_before_computing_the_current(zigzag):
+    """Inside the ring's loop, no matmul reads what this iteration's ppermute brings: the block
+    computed at step s arrived at step s-1, so the transfer overlaps the computation."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.layers.context_parallel import ring_attention
+    from jaxpar.mesh import make_mesh
+
+    mesh = make_mesh(config("llama", parallel__seq=4).parallel, jax.devices()[:4])
+    f = jax.shard_map(lambda q, k, v, p: ring_attention(q, k, v, p, p, axis="seq", zigzag=zigzag), mesh=mesh,
+                      in_specs=(P(None, "seq"),) * 3 + (P("seq"),), out_specs=P(None, "seq"), check_vma=False)
+    x = jnp.ones((2, 32, 4, 8), jnp.float32)
+    jaxpr = jax.make_jaxpr(f)(x, x, x, jnp.arange(32)).jaxpr
+    loops = [e for e in _eqns(jaxpr) if e.primitive.name in ("while", "scan")]  # fori_loop: scan when static
+    assert len(loops) == 1
+    body = loops[0].params.get("body_jaxpr", loops[0].params.get("jaxpr")).jaxpr
+    assert sum(e.primitive.name == "ppermute" for e in _eqns(body)) >= 1  # K, V and positions
+    assert sum(e.primitive.name == "dot_general" for e in _eqns(body)) >= 2  # the block's QK^T and PV
+    assert _tainted_dots(body, set()) == 0
+
+
+def _eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for p in e.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
 def _work(n: int, zigzag: bool, t: int = 64) -> list[int]:
     """Attention score entries each device computes, counted from the ring schedule."""
     local = t // n

@@ -101,7 +101,12 @@ def _set_rows(carry, part, sl):
 
 
 def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
-    """Per-device ring attention (call inside shard_map). q [B,T,H,D], k/v [B,T,KV,D], pos [T]."""
+    """Per-device ring attention (call inside shard_map). q [B,T,H,D], k/v [B,T,KV,D], pos [T].
+
+    Communication overlaps computation: each K/V block is passed on to the next device *before*
+    it is used, so the ``ppermute`` of step s+1's block runs while step s's block is computed (the
+    first hop while the local block is). N-1 hops of K, V and their positions in all.
+    """
     b, t, h, d = q.shape
     kv = k.shape[2]
     g = h // kv
@@ -111,14 +116,12 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
     qg = q.reshape(b, t, kv, g, d)
     carry = (jnp.zeros((b, t, kv, g, d), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
              jnp.zeros((b, kv, g, t), jnp.float32))
-    carry = _update(carry, qg, k, v, q_pos, k_pos, scale)
     half = t // 2
     lo, hi = slice(0, half), slice(half, t)
     perm = [(r, (r + 1) % n) for r in range(n)]
 
-    def step(s, state):
-        carry, k, v, k_pos = state
-        k, v, k_pos = jax.lax.ppermute((k, v, k_pos), axis, perm)
+    def block(s, carry, k, v, k_pos):
+        """Combine the block of device (i - s) into the local output (skipping what the mask hides)."""
         j = (i - s) % n
         if zigzag:
             def low_keys(c):  # the sender's first chunk precedes both of our chunks
@@ -128,12 +131,21 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
                 part = _update(_rows(c, hi), qg[:, hi], k, v, q_pos[hi], k_pos, scale)
                 return _set_rows(c, part, hi)
 
-            carry = jax.lax.cond(j < i, low_keys, high_queries, carry)
-        else:
-            carry = jax.lax.cond(j < i, lambda c: _update(c, qg, k, v, q_pos, k_pos, scale), lambda c: c, carry)
-        return carry, k, v, k_pos
+            return jax.lax.cond(j < i, low_keys, high_queries, carry)
+        return jax.lax.cond(j < i, lambda c: _update(c, qg, k, v, q_pos, k_pos, scale), lambda c: c, carry)
 
-    carry, *_ = jax.lax.fori_loop(1, n, step, (carry, k, v, k_pos))
+    if n > 1:
+        incoming = jax.lax.ppermute((k, v, k_pos), axis, perm)  # first hop, in flight during the local block
+    carry = _update(carry, qg, k, v, q_pos, k_pos, scale)  # the local block (causal inside)
+
+    def step(s, state):
+        carry, block_kv = state
+        onward = jax.lax.ppermute(block_kv, axis, perm)  # pass it on first; the next step needs it
+        return block(s, carry, *block_kv), onward
+
+    if n > 1:
+        carry, last = jax.lax.fori_loop(1, n - 1, step, (carry, incoming))
+        carry = block(n - 1, carry, *last)
     o, _, l = carry
     out = o / jnp.moveaxis(l, -1, 1)[..., None]
     return out.reshape(b, t, h, d).astype(q.dtype)

@@ -20,7 +20,9 @@ Communication, in a ``shard_map`` over the mesh (everything else is local to a d
   the head's input gradient), or under Megatron-SP one reduce-scatter along the sequence (after the
   input's all-gather, as every column-parallel layer does);
 * tokens split over ``data``, ``expert``, ``seq``: ``dw`` is summed locally over the chunks and
-  all-reduced once over those axes (the gradient reduction of the head's weight), the loss likewise.
+  leaves the ``shard_map`` as one partial sum per device, reduced by XLA with the rest of the
+  gradients (one reduction over all those axes; folded with the tied table's lookup gradient on
+  GPU/TPU); the loss is summed over them in the ``shard_map``.
 
 Matmuls run in the compute dtype with float32 accumulation; ``dw`` accumulates in float32.
 """
@@ -66,10 +68,29 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     w_spec = rules.compute.spec(("vocab", "embed") if layout == "vd" else ("embed", "vocab"))
     manual = {a for a in mesh.axis_names if mesh.shape[a] > 1}
 
+    # dw leaves the shard_map unreduced, one partial sum per token shard on a leading dim: summing
+    # it outside lets XLA fold that reduction into the gradient reduction of the rest of the model
+    # (the tied table's lookup gradient: one all-reduce, or one reduce-scatter into ZeRO's layout)
+    parts_spec = P(token_axes or None, *w_spec)
+
+    def local(x, w, t, grads):
+        if not grads:
+            return kernel(x, w, t)
+        loss, dx, dw = kernel(x, w, t, grads=True)
+        return loss, dx, dw[None]  # this device's partial sum
+
     def sharded(grads: bool):
-        out = (P(), x_spec, w_spec) if grads else P()
-        return jax.shard_map(lambda x, w, t: kernel(x, w, t, grads), mesh=mesh, in_specs=(x_spec, w_spec, t_spec),
-                             out_specs=out, axis_names=manual, check_vma=False)
+        out = (P(), x_spec, parts_spec) if grads else P()
+        fn = jax.shard_map(lambda x, w, t: local(x, w, t, grads), mesh=mesh, in_specs=(x_spec, w_spec, t_spec),
+                           out_specs=out, axis_names=manual, check_vma=False)
+
+        def run(x, w, t):
+            if not grads:
+                return fn(x, w, t)
+            loss, dx, dw_parts = fn(x, w, t)
+            return loss, dx, jnp.sum(dw_parts, axis=0)
+
+        return run
 
     return _differentiable(lambda x, w, t, grads=False: sharded(grads)(x, w, t))(x, w, targets)
 
@@ -146,4 +167,4 @@ class _Kernel:
             dx = jax.lax.psum_scatter(dx, "tensor", scatter_dimension=1, tiled=True)
         elif self.vocab_axes:
             dx = jax.lax.psum(dx, self.vocab_axes)
-        return loss, dx.astype(x_dtype), self._psum(dw, self.token_axes).astype(w_dtype)
+        return loss, dx.astype(x_dtype), dw.astype(w_dtype)

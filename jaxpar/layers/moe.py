@@ -106,8 +106,9 @@ class MoE(nnx.Module):
 
     ``stats``: ``aux_loss`` (balance), ``z_loss``, ``drop_fraction`` (dropped share of the k*N
     assignments) and ``expert_load`` ``[E]`` (assignments routed to each expert over the whole
-    batch). Parameters: ``router [embed, E]`` (replicated), ``w_in [experts, embed, (2,) mlp]``,
-    ``w_out [experts, mlp, embed]``.
+    batch). Parameters: ``router [embed, E]`` (replicated), ``w_in [experts, expert_embed, (2,) mlp]``,
+    ``w_out [experts, mlp, expert_embed]`` (``expert_embed``: the embed dim of an expert weight, which ZeRO
+    splits over the batch axes other than ``expert``).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
@@ -125,12 +126,12 @@ class MoE(nnx.Module):
         init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
         self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", None))
         if kind == "swiglu":
-            self.in_axes = ("experts", "embed", "fused", "mlp")
+            self.in_axes = ("experts", "expert_embed", "fused", "mlp")
             w_in = init(rngs.params(), (n_experts, d_model, 2, d_ff), param_dtype)
         else:
-            self.in_axes = ("experts", "embed", "mlp")
+            self.in_axes = ("experts", "expert_embed", "mlp")
             w_in = init(rngs.params(), (n_experts, d_model, d_ff), param_dtype)
-        self.out_axes = ("experts", "mlp", "embed")
+        self.out_axes = ("experts", "mlp", "expert_embed")
         self.w_in = param(w_in, self.in_axes)
         self.w_out = param(out_init(rngs.params(), (n_experts, d_ff, d_model), param_dtype), self.out_axes)
 

@@ -64,8 +64,10 @@ def _last_stage(stages: int):
 
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
-             outputs: bool = False):
-    """Run ``x [B, ...]`` through the stages; ``params`` leaves are ``[L, ...]`` in stage-major order.
+             outputs: bool = False, param_axes: list[tuple] | None = None):
+    """Run ``x [B, ...]`` through the stages; ``params`` leaves are ``[L, ...]`` in stage-major order,
+    ``param_axes`` their logical names (in ``jax.tree.leaves`` order; the first is the layer dim),
+    so that a stage's weights keep their other splits (e.g. over ``tensor``).
 
     ``stage_fn(group_params, h)`` applies one group of layers (leaves ``[L/(S*R), ...]``) to a
     microbatch ``h [B/M, ...]``. With ``outputs=True`` it returns ``(h, ys)`` with per-layer
@@ -79,8 +81,12 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
     act = ("batch", "res_length", "act_embed")
     # microbatch m = rows m, m+M, ...: each stays split over the batch axes without moving data
     xs = constrain(x.reshape(mb, m_, *x.shape[1:]).swapaxes(0, 1), (None, *act))
-    grouped = jax.tree.map(lambda a: a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]), params)
-    grouped = jax.tree.map(lambda a: constrain(a, ("stages",) + (None,) * (a.ndim - 1)), grouped)
+    leaves, treedef = jax.tree.flatten(params)
+    axes = param_axes or [(None,) * a.ndim for a in leaves]
+    grouped = jax.tree.unflatten(treedef, [
+        constrain(a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]),
+                  ("stages", None, None) + tuple(None if n == "layers" else n for n in ax[1:]))  # nested stacks: not pipe
+        for a, ax in zip(leaves, axes)])
     state = constrain(jnp.zeros((s_, mb, *x.shape[1:]), x.dtype), ("stages", *act))
     done = jnp.zeros_like(xs)
     stage_ids = jnp.arange(s_)
