@@ -48,8 +48,12 @@ class ParallelConfig:
                                         "over `tensor` (needs tensor > 1).")
     microbatches: int = _f(0, "Pipeline microbatches M per (grad-accum) step; 0 = parallel.pipe. Needs M >= pipe.")
     pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).")
-    zero: int = _f(0, "ZeRO stage over `data`: 0 replicated, 1 optimizer state sharded, 3 parameters too (FSDP).",
+    zero: int = _f(0, "ZeRO stage over the axes that split the batch (data, expert, seq): 0 replicated, 1 optimizer "
+                      "state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
+    max_replicated_fraction: float = _f(1.0, "Refuse a layout whose per-device parameter + optimizer bytes are more than "
+                                              "this fraction replicas (beyond an even split over all devices; data "
+                                              "parallelism without ZeRO over N devices: 1 - 1/N); 1 = no limit.")
     cpu_devices: int = _f(0, "Simulated XLA CPU devices per process when no accelerator is present; 0 = the mesh "
                              "size divided by the number of processes.")
 
@@ -394,6 +398,8 @@ def validate(cfg: Config) -> None:
     if par.microbatches < 0 or par.pipeline_repeats < 1:
         raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= 0 (0 = pipe) and "
                           f"parallel.pipeline_repeats={par.pipeline_repeats} >= 1")
+    if not 0.0 <= par.max_replicated_fraction <= 1.0:
+        raise ConfigError(f"parallel.max_replicated_fraction={par.max_replicated_fraction} must be in [0, 1]")
     if par.cpu_devices < 0:
         raise ConfigError(f"parallel.cpu_devices={par.cpu_devices} must be >= 0 (0 = the mesh size)")
     m = cfg.model

@@ -209,9 +209,10 @@ def wire_bytes(kind: str, result_bytes: float, group: int) -> float:
     return factor * result_bytes
 
 
-def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
+def collectives(hlo: str, mesh_shape: dict[str, int] | None = None, min_bytes: int = 0) -> dict:
     """``{kind: {count, static_count, bytes, wire_bytes, operand_bytes, max_bytes, by_axes: {axes:
-    {count, bytes, wire_bytes}}}}`` (``max_bytes``: the largest single instance)."""
+    {count, bytes, wire_bytes}}}}`` (``max_bytes``: the largest single instance); instances whose
+    result is smaller than ``min_bytes`` (scalars, statistics) are left out."""
     comps, entry = parse_computations(hlo)
     mult, unknown = _multiplicity(comps, entry)
     n = int(np.prod(list(mesh_shape.values()))) if mesh_shape else 0
@@ -229,6 +230,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None) -> dict:
                 continue
             res_type = done_type.get(ins.name, ins.type) if ins.opcode.endswith("-start") else ins.type
             rb = type_bytes(res_type)
+            if rb < min_bytes:
+                continue
             ob = sum(type_bytes(types.get(o, "")) for o in ins.operands)
             groups = replica_groups(ins.text, n)
             wb = wire_bytes(kind, rb, len(groups[0]) if groups else n) * m

@@ -145,7 +145,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
         "mlp": ("tensor",), "act_mlp": ("tensor",),
         "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": ("pipe",),
-        "experts": ("expert",), "stages": ("pipe",),
+        "experts": ("expert",), "stages": ("pipe",), "router": (),
     }
     def zero(stage: int) -> dict:  # where `embed` goes at this ZeRO stage
         on = par.zero >= stage
@@ -200,8 +200,8 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
     zero = math.prod(sizes[a] for a in ZERO_AXES)
     if par.zero >= 1 and m.d_model % zero:
         shown = " x ".join(f"{a}={sizes[a]}" for a in ZERO_AXES if sizes[a] > 1)
-        raise ConfigError(f"parallel.zero={par.zero} shards d_model over the batch axes ({shown} = {zero}), which do "
-                          f"not divide model.d_model={m.d_model}; choose data x expert x seq among "
+        raise ConfigError(f"parallel.zero={par.zero} shards d_model over the axes that split the batch ({shown}): "
+                          f"{zero} does not divide model.d_model={m.d_model}; choose data x expert x seq among "
                           f"{_divisors(m.d_model)}, or parallel.zero=0")
 
 

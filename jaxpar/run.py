@@ -81,11 +81,13 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
 
 def startup_report(trainer: Trainer) -> str:
     t = trainer
+    rep = t.replication()
     return "\n".join([
         meshlib.describe(t.mesh), "", t.rules.table(), "",
         f"parameters: {t.param_count():,}",
         f"per device: parameters {_fmt_bytes(t.per_device_bytes('params'))}, "
-        f"optimizer state {_fmt_bytes(t.per_device_bytes('opt'))}",
+        f"optimizer state {_fmt_bytes(t.per_device_bytes('opt'))}; replicated beyond an even split over "
+        f"{t.mesh.size} devices: {_fmt_bytes(rep['held'] - rep['ideal'])} ({100 * rep['fraction']:.0f}%)",
         *t.compute_report()])
 
 

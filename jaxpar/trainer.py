@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import flops, hlo, xla_options
-from jaxpar.config import Config
+from jaxpar.config import Config, ConfigError
 from jaxpar.layers import attention_ops
 from jaxpar.layers.loss import loss_chunks
 from jaxpar.layers.precision import compute_dtype
@@ -129,6 +129,7 @@ class Trainer:
             {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract,
              "skipped": jax.ShapeDtypeStruct((), jnp.int32)},
             self.state_shardings)
+        self._check_replication()
         seq = cfg.model.seq_len
         self.batch_sharding = self.rules.params.sharding(("batch", "length"))
         b = cfg.train.batch_size
@@ -147,6 +148,27 @@ class Trainer:
         """Bytes of ``params`` or ``opt`` held by one device under the shardings."""
         tree = self.abstract_state[which]
         return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(tree))
+
+    def replication(self) -> dict:
+        """Per-device bytes of parameters + optimizer state (``held``), what a layout sharding every
+        byte over all devices would hold (``ideal`` = total / devices), and the ``fraction`` of the
+        held bytes that are replicas beyond that (0: nothing replicated; data parallelism without
+        ZeRO over N devices: 1 - 1/N)."""
+        held = self.per_device_bytes("params") + self.per_device_bytes("opt")
+        total = sum(math.prod(s.shape) * s.dtype.itemsize for w in ("params", "opt")
+                    for s in jax.tree.leaves(self.abstract_state[w]))
+        ideal = total / self.mesh.size
+        return {"held": held, "ideal": ideal, "fraction": max(0.0, 1 - ideal / held) if held else 0.0}
+
+    def _check_replication(self) -> None:
+        limit = self.cfg.parallel.max_replicated_fraction
+        rep = self.replication()
+        if rep["fraction"] > limit:
+            raise ConfigError(
+                f"parallel.max_replicated_fraction={limit}: this layout keeps {100 * rep['fraction']:.1f}% of its "
+                f"per-device parameter and optimizer bytes as replicas ({rep['held'] / 2**20:.1f} MiB per device where "
+                f"sharding everything over the {self.mesh.size} devices would need {rep['ideal'] / 2**20:.1f} MiB); "
+                "shard more (parallel.zero=1 or 3, tensor, pipe) or raise the limit")
 
     def compute_report(self) -> list[str]:
         """Start-up lines: compute dtype, attention kernel, remat policy and loss chunking of this run."""

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -118,3 +122,15 @@ def assert_params_close(a, b, what: str = "params "):
     e = tree_rel_err(a, b)
     assert e <= 1e-5, f"{what}: relative error of the whole parameter vector {e:.2e} > 1e-5"
     assert_trees_close(a, b, 1e-4, what)
+
+
+def run_script(script: str, devices: int, done: str, timeout: int = 900) -> str:
+    """Run ``script`` (which may import these helpers) in a fresh process with ``devices`` simulated
+    CPU devices; assert it exits 0 printing ``done``; returns its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    tests = Path(__file__).resolve().parent
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tests)!r})\n" + script],
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    assert p.returncode == 0 and done in p.stdout, p.stdout[-3000:] + p.stderr[-4000:]
+    return p.stdout

@@ -3,10 +3,7 @@ the loss and gradients of one device: the dense GPT (expert = extra data paralle
 Ulysses attention) and the MoE model (experts split over `expert`). Runs in a subprocess that asks
 for 32 CPU devices."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from helpers import run_script
 
 SCRIPT = r"""
 import jax, numpy as np
@@ -35,9 +32,4 @@ print("five axes ok")
 
 
 def test_five_axes_match_single_device():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env.update(JAX_NUM_CPU_DEVICES="32", JAX_PLATFORMS="cpu")
-    tests = Path(__file__).resolve().parent
-    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tests)!r})\n" + SCRIPT],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0 and "five axes ok" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
+    run_script(SCRIPT, devices=32, done="five axes ok")

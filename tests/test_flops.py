@@ -71,8 +71,8 @@ def test_rule_table_shows_only_split_names():
     par = load_config(None, ["parallel.data=2", "parallel.tensor=2", "parallel.zero=1"]).parallel
     table = make_rules(par, make_mesh(par, jax.devices()[:4])).table()
     names = [line.split()[0] for line in table.splitlines()[2:-1]]
-    assert set(names) == {"act_heads", "act_kv_heads", "act_mlp", "act_vocab", "batch", "embed", "heads",
-                          "kv_heads", "mlp", "vocab"}, names  # embed: the optimizer state's ZeRO-1 split
+    assert set(names) == {"act_heads", "act_kv_heads", "act_mlp", "act_vocab", "batch", "embed", "expert_embed",
+                          "heads", "kv_heads", "mlp", "vocab"}, names  # (expert_)embed: ZeRO-1's optimizer split
 
 
 def test_gpu_options_are_known_to_this_xla():

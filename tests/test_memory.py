@@ -2,8 +2,10 @@
 
 import jax
 import numpy as np
+import pytest
 
 from helpers import config, trainer
+from jaxpar.config import ConfigError
 
 F32 = 4
 
@@ -41,3 +43,63 @@ def test_tensor8_matrices_are_an_eighth():
         mem = t.compile()["memory"]
         whole = sum(int(np.prod(a.shape)) for a, _ in _leaves(t)) * F32 * 3
         assert mem["argument_size"] < whole / 4  # vectors and positions replicated, matrices / 8
+
+
+def _live_bytes(state, which):
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state[which]))
+
+
+def _formula(t):
+    """fp32 Adam: 4 bytes of parameter per weight over the shards its parameter layout splits it
+    into, 8 bytes of moments over the optimizer layout's (gradients, transient, as the optimizer's)."""
+    sizes = t.sizes
+
+    def shards(spec):
+        return int(np.prod([sizes[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e)]))
+
+    p = o = 0.0
+    for (a, ax) in _leaves(t):
+        n = int(np.prod(a.shape))
+        p += 4 * n / shards(t.rules.params.spec(ax, a.shape))
+        o += 8 * n / shards(t.rules.opt.spec(ax, a.shape))
+    return p, o
+
+
+@pytest.mark.parametrize("layout", [
+    dict(parallel__data=8), dict(parallel__data=8, parallel__zero=1), dict(parallel__data=8, parallel__zero=3),
+    dict(parallel__tensor=8), dict(parallel__data=2, parallel__seq=2, parallel__tensor=2, parallel__zero=1),
+    dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, model__n_layers=4),
+    dict(model__arch="moe", moe__n_experts=4, parallel__data=2, parallel__expert=4, parallel__zero=3)],
+    ids=["dp8", "zero1", "zero3", "tensor8", "data2-seq2-tensor2-zero1", "pipe2-data4-zero1", "moe-data2-expert4-zero3"])
+def test_state_bytes_per_device_match_the_formula(layout):
+    """The live arrays' per-device bytes of parameters and Adam moments equal the formula (4 + 8
+    bytes per weight over the shards that hold it) within 5%; nothing is silently replicated."""
+    t = trainer(config("llama", **layout))
+    state = t.init_state()
+    p, o = _formula(t)
+    got_p, got_o = _live_bytes(state, "params"), _live_bytes(state, "opt")
+    print(f"{layout}: params {got_p} B (formula {p:.0f}), optimizer {got_o} B (formula {o:.0f})")
+    assert abs(got_p / p - 1) <= 0.05 and abs(got_o / o - 1) <= 0.05
+
+
+def test_zero3_splits_dense_weights_over_data_and_expert():
+    """MoE with data=2 x expert=4, zero=3: the dense weights (attention, embedding) are split over all
+    8 devices (ZeRO over every axis that splits the batch), the experts over expert and then data."""
+    t = trainer(config("gpt2", model__arch="moe", moe__n_experts=4, parallel__data=2, parallel__expert=4,
+                       parallel__zero=3))
+    state = t.init_state()
+    p = state["params"]
+    for leaf in (p["embed"]["embedding"], p["blocks"]["moe"]["attn"]["qkv"]["kernel"]):
+        assert leaf.addressable_shards[0].data.size * 8 == leaf.size
+    w_in = p["blocks"]["moe"]["mlp"]["w_in"]
+    assert w_in.addressable_shards[0].data.size * 8 == w_in.size  # experts / 4, embed / 2
+
+
+def test_replication_report_and_guard():
+    dp = trainer(config("llama", parallel__data=8)).replication()
+    assert abs(dp["fraction"] - 7 / 8) < 1e-9  # eight full replicas
+    z3 = trainer(config("llama", parallel__data=8, parallel__zero=3)).replication()
+    assert z3["fraction"] < 0.05  # only the norm scales stay replicated
+    with pytest.raises(ConfigError, match=r"parallel.max_replicated_fraction=0.5: this layout keeps 87.5%"):
+        trainer(config("llama", parallel__data=8, parallel__max_replicated_fraction=0.5))
+    trainer(config("llama", parallel__data=8, parallel__zero=3, parallel__max_replicated_fraction=0.05))

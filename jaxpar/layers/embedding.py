@@ -2,8 +2,9 @@
 ``tensor`` and the full logits are never gathered.
 
 * Lookup: each device gathers the rows it owns and zeroes the others; an all-reduce over
-  ``tensor`` of the ``[batch, length, embed]`` result completes it (XLA's partitioner emits exactly
-  this for a gather from a vocab-sharded table).
+  ``tensor`` of the ``[batch, length, embed]`` result completes it (written out in a ``shard_map``:
+  left to XLA's partitioner, a gather from a table replicated over other axes may be split over
+  those too and the table shuffled between devices).
 * Loss: ``logsumexp`` is a max-reduce and a sum-reduce over the split dim (all-reduces of
   ``[batch, length]`` scalars) and the target logit is picked by comparing a vocab iota with the
   target, so no device ever holds a ``[batch, length, vocab]`` array whole.
@@ -67,23 +68,33 @@ class VocabParallelEmbed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         rules = active_rules()
-        if rules is not None and rules.megatron_sp:
-            return self._lookup_sequence_parallel(ids, rules)
-        x = jnp.take(self.table(), ids, axis=0).astype(self.dtype)
-        return constrain(x, ("batch", "res_length", "act_embed"))
+        if rules is None or rules.mesh is None or rules.mesh.size == 1:
+            return jnp.take(self.table(), ids, axis=0).astype(self.dtype)
+        return self._lookup(ids, rules)
 
-    def _lookup_sequence_parallel(self, ids: jax.Array, rules) -> jax.Array:
-        """Megatron-SP lookup: each tensor rank gathers the rows of its vocabulary shard, and a
-        reduce-scatter over ``tensor`` along the sequence both completes the sum and leaves the
-        output split along the sequence (its backward is an all-gather, not a table all-reduce)."""
+    def _lookup(self, ids: jax.Array, rules) -> jax.Array:
+        """Vocabulary-parallel lookup in a ``shard_map``: each tensor rank gathers the rows of its
+        vocabulary shard (zeros for the others), and one collective over ``tensor`` completes the sum
+        in the compute dtype: an all-reduce, or under Megatron-SP a reduce-scatter along the sequence
+        that also leaves the output split like the residual stream (its backward an all-gather, not
+        a table all-reduce). The table's gradient is a local scatter-add on each rank's shard."""
         p = rules.params
+        tensor = rules.axis_size("tensor") > 1
 
         def local(ids, table):
-            rows = table.shape[0]
-            local_ids = ids - jax.lax.axis_index("tensor") * rows
-            ok = (local_ids >= 0) & (local_ids < rows)
-            x = jnp.where(ok[..., None], jnp.take(table, jnp.where(ok, local_ids, 0), axis=0), 0)
-            return jax.lax.psum_scatter(x.astype(self.dtype), "tensor", scatter_dimension=1, tiled=True)
+            if tensor:
+                rows = table.shape[0]
+                local_ids = ids - jax.lax.axis_index("tensor") * rows
+                ok = (local_ids >= 0) & (local_ids < rows)
+                x = jnp.where(ok[..., None], jnp.take(table, jnp.where(ok, local_ids, 0), axis=0), 0)
+            else:
+                x = jnp.take(table, ids, axis=0)
+            x = x.astype(self.dtype)
+            if not tensor:
+                return x
+            if rules.megatron_sp:
+                return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+            return jax.lax.psum(x, "tensor")
 
         fn = jax.shard_map(local, mesh=p.mesh, in_specs=(p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed"))),
                            out_specs=p.spec(("batch", "res_length", "act_embed")))

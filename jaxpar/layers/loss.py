@@ -162,6 +162,8 @@ class _Kernel:
         loss = self._psum(loss, self.token_axes) / self.n_tokens
         if not grads:
             return loss
+        # summed over tensor in float32 (in bfloat16 XLA:CPU's all-reduce promotion aborts on it,
+        # combined with the loss's float32 sum)
         dx = jnp.swapaxes(dx, 0, 1).reshape(b, t, d)
         if self.sp:
             dx = jax.lax.psum_scatter(dx, "tensor", scatter_dimension=1, tiled=True)

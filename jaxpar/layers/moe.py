@@ -106,7 +106,7 @@ class MoE(nnx.Module):
 
     ``stats``: ``aux_loss`` (balance), ``z_loss``, ``drop_fraction`` (dropped share of the k*N
     assignments) and ``expert_load`` ``[E]`` (assignments routed to each expert over the whole
-    batch). Parameters: ``router [embed, E]`` (replicated), ``w_in [experts, expert_embed, (2,) mlp]``,
+    batch). Parameters: ``router [embed, router]`` (E columns, replicated), ``w_in [experts, expert_embed, (2,) mlp]``,
     ``w_out [experts, mlp, expert_embed]`` (``expert_embed``: the embed dim of an expert weight, which ZeRO
     splits over the batch axes other than ``expert``).
     """
@@ -124,7 +124,7 @@ class MoE(nnx.Module):
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
         self.dtype = dtype
         init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
-        self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", None))
+        self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", "router"))
         if kind == "swiglu":
             self.in_axes = ("experts", "expert_embed", "fused", "mlp")
             w_in = init(rngs.params(), (n_experts, d_model, 2, d_ff), param_dtype)
@@ -162,7 +162,7 @@ class MoE(nnx.Module):
             return self._local(x, *weights, ax=ax)
         x_spec = P(_entry(batch), _entry(length))
         w_specs = tuple(rules.compute.spec(n, w.shape, "MoE weight")
-                        for n, w in zip((("embed", None), self.in_axes, self.out_axes), weights))
+                        for n, w in zip((("embed", "router"), self.in_axes, self.out_axes), weights))
         stats_spec = {k: P() for k in ("aux_loss", "z_loss", "drop_fraction", "expert_load")}
         fn = jax.shard_map(lambda *a: self._local(*a, ax=ax), mesh=mesh, in_specs=(x_spec, *w_specs),
                            out_specs=(x_spec, stats_spec), axis_names=manual, check_vma=True)
@@ -177,7 +177,12 @@ class MoE(nnx.Module):
         logits = jnp.einsum("gd,de->ge", xt.astype(jnp.float32), w_router.astype(jnp.float32))
         r = route(logits, k, cap, self.renormalize)
         # dispatch: every kept assignment copies its token into its expert's slot (dropped: index E*C, discarded)
-        rows = jnp.broadcast_to(xt.astype(self.dtype)[:, None, :], (g, k, d))
+        tokens = xt.astype(self.dtype)
+        if ax.tensor:
+            # the dispatched tokens as every tensor rank's own copy: the backward then sums their gradient
+            # over tensor on [tokens, d_model] here, not on the capacity-padded (larger) dispatch buffer
+            tokens = jax.lax.pcast(tokens, ax.tensor, to="varying")
+        rows = jnp.broadcast_to(tokens[:, None, :], (g, k, d))
         buf = jnp.zeros((e * cap, d), self.dtype).at[r.slot].add(rows, mode="drop").reshape(e, cap, d)
         if ax.expert:  # [E, C, d] -> [E/ep, ep*C, d]: my experts' slots from every device of my expert group
             buf = jax.lax.all_to_all(buf, ax.expert, split_axis=0, concat_axis=1, tiled=True)

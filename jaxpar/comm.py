@@ -1,0 +1,261 @@
+"""Analytic communication model: what each device sends per train step, by collective and mesh axes.
+
+Every strategy's traffic as a list of :class:`Term` s (a collective kind over some mesh axes, a
+count and the size of one instance's result on a device), in the byte convention of
+:mod:`jaxpar.hlo`: ``wire_bytes`` is what one device sends with the bandwidth-optimal algorithms,
+all-reduce ``2 (g-1)/g S``, all-gather ``(g-1)/g S``, reduce-scatter ``(g-1) S`` (S its shard),
+all-to-all ``(g-1)/g S``, collective-permute ``S``. :func:`compare` holds a compiled program's
+collectives (``hlo.collectives``) to it.
+
+Per strategy (``rows`` = sequences per device per microstep, or per pipeline microbatch; ``Tl`` =
+``T / seq``; ``a`` = bytes per activation element; ``P_g`` = gradient bytes a device holds):
+
+================  ================================================================================
+data (+expert,    gradients: one reduction over every axis that splits the tokens and not the leaf
+seq)              (data, expert, seq): all-reduce of ``P_g``; reduce-scatter into the optimizer's
+                  shards under ZeRO >= 1, then (ZeRO-1) one all-gather of the updated parameters;
+                  ZeRO-3: one all-gather of each weight per use (forward, and again for the
+                  backward when ``model.remat`` is not none)
+tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward (attention-out,
+                  MLP-down) and 2 backward (the column layers' input gradients); the vocab-parallel
+                  lookup's all-reduce, the loss's 3 floats per token and its input gradient.
+                  Megatron-SP: per layer 2 all-gathers + 2 reduce-scatters forward and the same
+                  backward; gradients of weights not split over tensor all-reduced over tensor
+pipe              per iteration (M R + S - 1 of them) one collective-permute of ``[rows, Tl, d]``
+                  forward and one backward, and the broadcast of the last stage's output (an
+                  all-reduce over pipe) forward and backward; every layer collective runs on each
+                  iteration, bubbles included (they compute on zeros)
+expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward
+seq               all_gather: per layer K and V all-gathered forward, reduce-scattered backward;
+                  ring: per layer N-1 hops of K and V each way; ulysses: 4 all-to-alls each way
+================  ================================================================================
+
+Rematerialisation repeats the forward collectives that the backward's recompute needs: the
+attention-out all-reduce unless ``out_proj`` is kept (the MLP-down one produces the layer's output,
+which nothing recomputed reads), the column layers' input all-gathers under Megatron-SP, ZeRO-3's
+weight gathers inside the layer scan, the K/V exchanges (and Ulysses' output all-to-all unless
+``attention`` is kept), and the expert all-to-alls, under any policy but ``none``.
+
+**XLA:CPU** lacks the collective optimisation passes that XLA's GPU and TPU compilers run after
+SPMD partitioning (``ReduceScatterCreator``, ``AllReduceFolder``, ``AllReduceReassociate``,
+``WhileLoopAllReduceCodeMotion``), so ``platform="cpu"`` predicts what it emits instead, at these
+costs: a reduce-scatter is an all-reduce (+ a slice): 2x its wire bytes; a gradient reduced over
+``seq`` and over ``data`` / ``expert`` is two all-reduces, one per split dim (``2(s-1)/s + 2(d-1)/d``
+instead of ``2(sd-1)/sd``); a tied table's two gradient contributions are reduced apart (one more
+table); a gradient inside a loop (gradient accumulation, pipeline iterations) is reduced in every
+iteration (x the trip count, a circular pipeline's iteration holding 1/R of the stage).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpar.hlo import wire_bytes
+from jaxpar.layers.moe import expert_capacity
+from jaxpar.layers.remat import KEPT
+from jaxpar.mesh import AXES
+
+TOKEN_AXES = ("data", "expert", "seq")
+
+
+@dataclass
+class Term:
+    """``count`` collectives of ``kind`` over ``axes``, each with a ``result_bytes`` result on a device."""
+
+    kind: str
+    axes: tuple
+    count: float
+    result_bytes: float
+    what: str
+    group: int = 1
+
+    @property
+    def wire_bytes(self) -> float:
+        return self.count * wire_bytes(self.kind, self.result_bytes, self.group)
+
+    @property
+    def label(self) -> str:
+        return "+".join(a for a in AXES if a in self.axes)
+
+
+@dataclass
+class Leaf:
+    """A parameter as the model sees it: its shape, logical names and the three layouts' specs."""
+
+    shape: tuple
+    names: tuple
+    params: object
+    opt: object
+    compute: object
+    stage: bool  # stacked over layers (split over pipe, and run inside the pipeline's loop)
+
+
+def _spec_axes(spec) -> set:
+    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _shards(spec, sizes) -> int:
+    return math.prod(sizes[a] for a in _spec_axes(spec))
+
+
+def leaves_of(trainer) -> list[Leaf]:
+    """The parameters of a :class:`~jaxpar.trainer.Trainer` with their layouts."""
+    import jax
+
+    out = []
+    rules = trainer.rules
+    for a, names in zip(jax.tree.leaves(trainer.adapter.abstract),
+                        jax.tree.leaves(trainer.adapter.axes, is_leaf=lambda x: isinstance(x, tuple))):
+        specs = [r.spec(names, a.shape) for r in (rules.params, rules.opt, rules.compute)]
+        out.append(Leaf(tuple(a.shape), tuple(names), *specs, stage=bool(names) and names[0] == "layers"))
+    return out
+
+
+def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
+            param_bytes: int = 4) -> list[Term]:
+    """Every collective of one train step of ``cfg`` on a mesh of ``sizes``, per device."""
+    m = cfg.model.resolved()
+    par, tr = cfg.parallel, cfg.train
+    big = lambda axes: tuple(a for a in axes if sizes[a] > 1)  # noqa: E731
+    k = tr.grad_accum
+    rows = tr.batch_size // k // (sizes["data"] * sizes["expert"])
+    tl, d = m.seq_len // sizes["seq"], m.d_model
+    s_, r_ = sizes["pipe"], par.pipeline_repeats
+    pipelined = s_ > 1
+    mb_ = par.microbatches or s_
+    iters = mb_ * r_ + s_ - 1 if pipelined else 1
+    # a layer runs `layer_runs` times per step on `layer_rows` sequences
+    layer_rows = rows // mb_ if pipelined else rows
+    layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
+    remat = m.remat
+    terms: list[Term] = []
+
+    def add(kind, axes, count, result, what):
+        axes = big(axes)
+        if axes and count and result:
+            terms.append(Term(kind, axes, count, result, what, math.prod(sizes[a] for a in axes)))
+
+    # -- gradients (data parallelism, ZeRO) --------------------------------------------------------
+    tied = m.tie_embeddings
+    for leaf in leaves:
+        local = math.prod(leaf.shape) * param_bytes / _shards(leaf.compute, sizes)
+        leaf_axes = _spec_axes(leaf.compute)
+        red = tuple(a for a in big(TOKEN_AXES) if a not in leaf_axes)
+        scatter = tuple(a for a in red if a in _spec_axes(leaf.opt))
+        loops, local_iter = 1, local
+        if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
+            loops = k * (iters if leaf.stage and pipelined else 1)
+            if leaf.stage and pipelined:
+                local_iter = local / r_  # a circular iteration holds one of the stage's R groups
+        # a dot contracting batch and sequence dims reduces over each split apart on XLA:CPU; weights
+        # used inside a shard_map (the table's lookup, the head's loss, MoE router and experts) are
+        # reduced over all the token axes at once by its transpose
+        joint = {"vocab", "experts", "router"} & set(leaf.names)
+        split = platform == "cpu" and "seq" in red and len(red) > 1 and not joint
+        groups = [(("seq",), ), (tuple(a for a in red if a != "seq"),)] if split else [(red,)]
+        copies = 2 if (platform == "cpu" and tied and leaf.names == ("vocab", "embed")) else 1
+        for (axes,) in groups:
+            sc = tuple(a for a in axes if a in scatter)
+            if sc and platform != "cpu":
+                add("reduce-scatter", axes, copies * loops,
+                    local_iter / math.prod(sizes[a] for a in sc), "gradient reduce-scatter")
+            else:
+                add("all-reduce", axes, copies * loops, local_iter, "gradient all-reduce")
+        gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
+        if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
+            add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
+        zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
+        if zero3:  # ZeRO-3: gathered before each use
+            regather = leaf.stage and remat != "none"  # the layer's recompute gathers its weights again
+            add("all-gather", zero3, 1 + regather, local, "ZeRO-3 weight all-gather")
+
+    # -- tensor parallelism --------------------------------------------------------------------------
+    tp = ("tensor",)
+    act = layer_rows * tl * d * act_bytes
+    head_act = rows * tl * d * act_bytes
+    head_grad = rows * tl * d * 4  # the loss sums its input gradient over tensor in float32
+    kept = () if remat == "none" else KEPT.get(remat, KEPT["save_dots"])  # offload keeps save_dots' (on host)
+    # the backward's recompute of a layer redoes the attention-out all-reduce unless out_proj is kept
+    # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
+    recompute_ar = int(remat != "none" and "out_proj" not in kept)
+    if sizes["tensor"] > 1 and not par.sequence_parallel:
+        add("all-reduce", tp, layer_runs * (4 + recompute_ar), act, "Megatron block all-reduces")
+        add("all-reduce", tp, k, rows * tl * d * param_bytes, "vocab-parallel lookup")
+        add("all-reduce", tp, k, head_grad, "loss input gradient")
+        add("all-reduce", tp, 3 * k, rows * tl * 4, "loss max / sum / target over the vocabulary")
+    if sizes["tensor"] > 1 and par.sequence_parallel:
+        t_ = sizes["tensor"]
+        again = remat != "none"
+        add("all-gather", tp, layer_runs * (4 + 2 * again), act, "Megatron-SP column-layer input all-gathers")
+        add("reduce-scatter", tp, layer_runs * (4 + recompute_ar), act / t_, "Megatron-SP row-layer reduce-scatters")
+        add("reduce-scatter", tp, k, head_act / t_, "Megatron-SP lookup reduce-scatter")
+        add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
+        add("all-gather", tp, k, head_act, "Megatron-SP head input all-gather")
+        add("reduce-scatter", tp, k, head_grad / t_, "Megatron-SP head input gradient")
+        add("all-reduce", tp, 3 * k, rows * tl * 4, "loss max / sum / target over the vocabulary")
+        for leaf in leaves:  # weights applied to sequence-split activations: partial sums over tensor
+            if "tensor" not in _spec_axes(leaf.compute):
+                add("all-reduce", tp, 1, math.prod(leaf.shape) * param_bytes / _shards(leaf.compute, sizes),
+                    "Megatron-SP replicated-weight gradient")
+
+    # -- pipeline --------------------------------------------------------------------------------------
+    if pipelined:  # the residual stream: also split over tensor under Megatron-SP
+        res = act / (sizes["tensor"] if par.sequence_parallel else 1)
+        add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
+        add("all-reduce", ("pipe",), 2 * k * iters, res, "last stage's output broadcast (forward, backward)")
+
+    # -- expert parallelism ----------------------------------------------------------------------------
+    if m.arch == "moe" and sizes["expert"] > 1:
+        e = cfg.moe
+        runs = layer_runs // e.every
+        tokens = layer_rows * tl
+        cap = expert_capacity(tokens, e.n_experts, e.top_k, e.capacity_factor, e.dropless)
+        buf = e.n_experts * cap * d * act_bytes
+        add("all-to-all", ("expert",), runs * (4 + 2 * (remat != "none")), buf, "MoE dispatch / combine")
+
+    # -- sequence parallelism --------------------------------------------------------------------------
+    n = sizes["seq"]
+    if n > 1:
+        hd, h_l, kv_l = m.head_dim, m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
+        kv_block = layer_rows * tl * kv_l * hd * act_bytes
+        redo = int(remat != "none")  # the forward exchange again when the backward recomputes attention
+        if par.seq_attention == "all_gather":
+            add("all-gather", ("seq",), layer_runs * 2 * (1 + redo), kv_block * n, "K/V all-gather")
+            add("reduce-scatter", ("seq",), layer_runs * 2, kv_block, "K/V gradient reduce-scatter")
+        elif par.seq_attention == "ring":
+            add("collective-permute", ("seq",), layer_runs * 2 * (n - 1) * (2 + redo), kv_block, "ring K/V hops")
+        else:
+            q_block = layer_rows * tl * h_l * hd * act_bytes
+            redo_out = int(redo and "attention" not in kept)  # a kept attention output is not sent back again
+            add("all-to-all", ("seq",), layer_runs * (2 + redo + 2 + redo_out), q_block, "Ulysses q in, output back")
+            add("all-to-all", ("seq",), layer_runs * 2 * (2 + redo), kv_block, "Ulysses k, v in")
+    return terms
+
+
+def summarize(terms: list[Term]) -> dict:
+    """``{kind: {axes label: wire bytes}}``."""
+    out: dict = {}
+    for t in terms:
+        by = out.setdefault(t.kind, {})
+        by[t.label] = by.get(t.label, 0.0) + t.wire_bytes
+    return out
+
+
+def measured(collectives: dict) -> dict:
+    """The same shape from ``hlo.collectives`` output."""
+    return {k: {a: v["wire_bytes"] for a, v in c["by_axes"].items() if v["wire_bytes"]}
+            for k, c in collectives.items() if isinstance(c, dict) and c.get("wire_bytes")}
+
+
+def compare(model: dict, got: dict) -> dict:
+    """``{(kind, axes): (measured, model)}`` over the union of both."""
+    keys = {(k, a) for d in (model, got) for k, by in d.items() for a in by}
+    return {key: (got.get(key[0], {}).get(key[1], 0.0), model.get(key[0], {}).get(key[1], 0.0))
+            for key in sorted(keys)}
+
+
+def total(summary: dict) -> float:
+    return float(np.sum([v for by in summary.values() for v in by.values()]))
