@@ -71,13 +71,17 @@ def _report(**layout):
     return trainer(config("llama", **L4, **layout)).compile()
 
 
-def test_collective_permutes_and_no_weight_gathers():
-    rep = _report(parallel__pipe=2, parallel__data=2, parallel__tensor=2)
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_collective_permutes_and_no_weight_gathers(repeats):
+    """Each iteration shifts one microbatch's activations; the stage weights never move: no
+    all-gather at all, also of the tensor-split weights (a stage keeps them split) and when a
+    circular pipeline picks each iteration's layer group."""
+    rep = _report(parallel__pipe=2, parallel__data=2, parallel__tensor=2, parallel__pipeline_repeats=repeats)
     c = rep["collectives"]
     cp = c["collective-permute"]["by_axes"]["pipe"]
     m = 2  # microbatches default to the stage count
-    assert cp["count"] == 2 * (m + 2 - 1)  # each iteration: the shift forward, and its transpose backward
-    assert "pipe" not in c["all-gather"]["by_axes"]  # stage weights never move
+    assert cp["count"] == 2 * (m * repeats + 2 - 1)  # each iteration: the shift forward, and its transpose backward
+    assert c["all-gather"]["count"] == 0, c["all-gather"]
     cfg = config("llama", **L4)
     act = (cfg.train.batch_size // m // 2) * cfg.model.seq_len * cfg.model.d_model * 4  # microbatch / data
     assert c["collective-permute"]["max_bytes"] == act
