@@ -8,7 +8,7 @@ import optax
 from jaxpar.config import TrainConfig
 
 # Logical dims that stack copies of a weight; they do not make a vector a matrix.
-STACK_AXES = ("layers", "stages", "experts")
+STACK_AXES = ("layers", "sublayers", "stages", "experts")
 
 
 def lr_schedule(t: TrainConfig) -> optax.Schedule:

@@ -18,7 +18,8 @@ embed              data, expert, seq under ZeRO-3 (params)  FSDP / sharded optim
 expert_embed       data, seq (idem)                         an expert weight's embed dim (its
                                                             experts dim already uses expert)
 experts            expert                                   expert parallelism
-stages, layers     pipe                                     pipeline parallelism (stage weights)
+stages, layers     pipe                                     pipeline parallelism (stage weights;
+                                                            ``sublayers``, a stack inside a layer: none)
 =================  =======================================  ===================================
 
 Two rule sets exist: ``params`` (weights and activations) and ``opt`` (optimizer state, which is
@@ -145,7 +146,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
         "mlp": ("tensor",), "act_mlp": ("tensor",),
         "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": ("pipe",),
-        "experts": ("expert",), "stages": ("pipe",), "router": (),
+        "experts": ("expert",), "stages": ("pipe",), "router": (), "sublayers": (),
     }
     def zero(stage: int) -> dict:  # where `embed` goes at this ZeRO stage
         on = par.zero >= stage

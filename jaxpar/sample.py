@@ -2,7 +2,8 @@
 
 The whole window is recomputed for each new token (no KV cache): simple, exact, and cheap for the
 sample printed at the end of a run. One sequence per batch-parallel group is generated (the batch
-must split over the ``data`` x ``expert`` devices); the first is the sample shown.
+must split over the ``data`` x ``expert`` devices, and into the pipeline's microbatches with
+``pipe`` > 1); the first is the sample shown.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ def generate(trainer, params, tokenizer, prompt: str, n_tokens: int, temperature
     """``n_tokens`` new tokens after ``prompt`` for each of the batch-parallel rows; returns the texts."""
     t = trainer.cfg.model.seq_len
     rows = trainer.sizes["data"] * trainer.sizes["expert"]
+    if trainer.sizes["pipe"] > 1:  # the pipeline cuts the batch into microbatches, each split over the batch axes
+        rows *= trainer.cfg.parallel.microbatches or trainer.sizes["pipe"]
     ids = list(np.asarray(tokenizer.encode(prompt), np.int32)) or [0]
     vocab = tokenizer.vocab_size
     sharding = trainer.rules.params.sharding(("batch", "length"))

@@ -58,28 +58,31 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "res_length", "act_embed"))
 
 
-def stacked(make, n: int, rngs: nnx.Rngs):
-    """``n`` copies of ``make(rngs)`` with weights stacked on a leading ``layers`` dim."""
+def stacked(make, n: int, rngs: nnx.Rngs, axis: str = "layers"):
+    """``n`` copies of ``make(rngs)`` with weights stacked on a leading dim named ``axis``
+    (``layers``: the model's stack, split over ``pipe``; ``sublayers``: a stack inside a layer)."""
 
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def create(r):
         return make(r)
 
     return create(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", outputs: bool = False):
+def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", outputs: bool = False,
+                pipelined: bool = True):
     """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), each rematerialised with
     the policy ``remat`` (:mod:`jaxpar.layers.remat`).
 
     With ``outputs=True`` each block returns ``(x, y)`` and the result is ``(x, ys)``, the ``y`` stacked
     on a leading layer dim. With ``pipe`` > 1 the stack runs as a pipeline (:mod:`jaxpar.layers.pipeline`):
-    each stage scans its layers with the same per-layer policy.
+    each stage scans its layers with the same per-layer policy. A stack inside a layer (``pipelined=False``,
+    e.g. a MoE group's dense blocks) is a plain scan inside its stage.
     """
     graphdef, state = nnx.split(blocks)
     rules = active_rules()
-    if rules is not None and rules.axis_size("pipe") > 1:
+    if pipelined and rules is not None and rules.axis_size("pipe") > 1:
         par = rules.parallel
         # per-layer outputs come back as means over the microbatches, in storage order
         # each leaf's logical names, so that stages keep their weights' splits (leaves of non-Param

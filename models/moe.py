@@ -63,13 +63,13 @@ class MoEGroup(nnx.Module):
     """``every - 1`` dense blocks (stacked, scanned) followed by one MoE block."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.dense = (stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), moe.every - 1, rngs)
+        self.dense = (stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), moe.every - 1, rngs, axis="sublayers")
                       if moe.every > 1 else None)
         self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
         if self.dense is not None:
-            x = scan_blocks(self.dense, x, positions)
+            x = scan_blocks(self.dense, x, positions, pipelined=False)
         return self.moe(x, positions)
 
 

@@ -13,8 +13,8 @@ def test_throughput_benchmark_on_cpu(tmp_path):
     out = tmp_path / "bench.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/throughput.py"), "--preset", "cpu", "--steps", "3",
-                        "--warmup", "1", "--peak-tflops", "2", "--depth", "2,8", "--json", str(out)],
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/throughput.py"), "--preset", "cpu", "--steps", "2",
+                        "--warmup", "1", "--peak-tflops", "2", "--depth", "2,4", "--json", str(out)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -28,5 +28,5 @@ def test_throughput_benchmark_on_cpu(tmp_path):
         assert abs(r["plain_mfu"] / r["mfu"] - r["ratio_to_plain"]) < 1e-9  # the same model flops, other time
         assert "attention kernel: xla (auto on cpu)" in r["compute"]
     assert "remat: full" in cases[1]["compute"]
-    assert set(depth["depth_compile_s"]) == {"2", "8"} and depth["depth_ratio"] > 0
+    assert set(depth["depth_compile_s"]) == {"2", "4"} and depth["depth_ratio"] > 0
     assert "jaxpar / plain-JAX step time" in p.stdout and "compile seconds by depth" in p.stdout

@@ -83,3 +83,14 @@ def test_pipeline_run_reports_bubble_and_chart(tmp_path):
     assert "bubble (S-1)/(M*R+S-1) = 33.3%" in p.stdout
     assert all(abs(m["bubble_fraction"] - 1 / 3) < 1e-9 for m in metrics(out))
     assert (out / "pipeline_schedule.png").stat().st_size > 5000
+
+
+def test_pipeline_run_on_text_evaluates_and_samples(tmp_path):
+    """The pipeline layout of the issue that used to fail at the end (sampling built a batch the
+    pipeline could not cut into its 4 microbatches): evaluation and the sample run, exit 0."""
+    out = tmp_path / "t"
+    p = train(*SMALL, "data.source=shakespeare", "model.vocab_size=300", f"data.cache_dir={tmp_path}/cache",
+              "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=4", "train.batch_size=16", "train.steps=2",
+              "train.eval_batches=1", "sample.tokens=6", f"train.out_dir={out}")
+    assert "--- sample" in p.stdout and (out / "sample.txt").read_text().startswith("ROMEO:")
+    assert "val_loss" in metrics(out)[-1]

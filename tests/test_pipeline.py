@@ -29,6 +29,7 @@ def loss_grads(cfg):
 def single():
     out = {s: loss_grads(config(s, **L4)) for s in ("gpt2", "llama_gqa")}
     out["moe"] = loss_grads(config("gpt2", **L4, **MOE))
+    out["moe_every2"] = loss_grads(config("gpt2", **L4, **MOE, moe__every=2))
     return out
 
 
@@ -43,6 +44,8 @@ CASES = [
     ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__sequence_parallel=True)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, train__grad_accum=2)),
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4)),
+    # MoE groups of [dense, MoE]: the group's inner stack is a plain scan inside its stage
+    ("moe_every2", dict(parallel__pipe=2, parallel__data=2)),
 ]
 # MoE through the pipeline: router losses weighted 0 (their batch-mean products change with the
 # microbatching); nothing drops (capacity factor E/k), so cross-entropy and gradients are exact.
@@ -53,7 +56,10 @@ MOE = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacity_fact
 @pytest.mark.parametrize("style, layout", CASES, ids=[f"{s}-{'-'.join(f'{k[10:]}={v}' for k, v in l.items())}"
                                                        for s, l in CASES])
 def test_loss_and_grads_match_single_device(single, style, layout):
-    cfg = config("gpt2", **L4, **MOE, **layout) if style == "moe" else config(style, **L4, **layout)
+    if style.startswith("moe"):
+        cfg = config("gpt2", **L4, **MOE, **({"moe__every": 2} if style == "moe_every2" else {}), **layout)
+    else:
+        cfg = config(style, **L4, **layout)
     loss, grads = loss_grads(cfg)
     assert rel_err(loss, single[style][0]) <= 1e-5
     assert_trees_close(grads, single[style][1], 1e-5, "grads ")

@@ -84,8 +84,7 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
     leaves, treedef = jax.tree.flatten(params)
     axes = param_axes or [(None,) * a.ndim for a in leaves]
     grouped = jax.tree.unflatten(treedef, [
-        constrain(a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]),
-                  ("stages", None, None) + tuple(None if n == "layers" else n for n in ax[1:]))  # nested stacks: not pipe
+        constrain(a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]), ("stages", None, None) + tuple(ax[1:]))
         for a, ax in zip(leaves, axes)])
     state = constrain(jnp.zeros((s_, mb, *x.shape[1:]), x.dtype), ("stages", *act))
     done = jnp.zeros_like(xs)
