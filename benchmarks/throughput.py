@@ -9,7 +9,9 @@
 For each case: compile seconds, the median step time over ``--steps`` timed steps (after
 ``--warmup``), tokens/s, model TFLOP/s per device and MFU (:mod:`jaxpar.flops`: analytic model
 flops / step time / peak; peak from the device kind or ``--peak-tflops``), peak device memory (the
-allocator's peak where the platform reports it, else the compiled step's argument + temp bytes),
+allocator's peak after jaxpar's first step, before the plain step is built, where the platform
+reports it: the process's peak so far, so cases run smallest first; else the compiled step's
+argument + temp bytes),
 and, on one device, the same for the plain-JAX step of ``plain_jax.py`` (same model math,
 optimizer, shapes, dtype, attention kernel and remat) and the ratio jaxpar / plain-JAX step time.
 The two steps are timed interleaved (jaxpar, plain, jaxpar, plain, ...), so that a machine whose
@@ -74,7 +76,7 @@ def _peak_memory(compiled_memory: dict) -> tuple[float, str]:
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
+    if "peak_bytes_in_use" in stats:  # the process's peak so far: run the largest case last
         return float(stats["peak_bytes_in_use"]), "allocator peak"
     return float(compiled_memory.get("argument_size", 0) + compiled_memory.get("temp_size", 0)), "compiled args+temp"
 
@@ -144,6 +146,8 @@ def run_case(case: str, args) -> dict:
     cfg = load_config(path, COMMON + over)
     j = build_jaxpar(cfg)
     trainer, report = j["trainer"], j["report"]
+    jax.block_until_ready(j["step"]())  # one step, then jaxpar's memory (before the plain step's exists)
+    mem, mem_kind = _peak_memory(report.get("memory", {}))
     plain = None
     if trainer.mesh.size > 1:
         note = "n/a: the plain-JAX step runs on one device"
@@ -158,7 +162,6 @@ def run_case(case: str, args) -> dict:
     tokens = cfg.train.batch_size * cfg.model.seq_len
     per_device = report["model_flops"]["per_step_per_device"]
     peak = peak_flops(jax.devices()[0], args.peak_tflops)
-    mem, mem_kind = _peak_memory(report.get("memory", {}))
     out = {"case": case, "device": jax.devices()[0].device_kind, "devices": trainer.mesh.size,
            "params": trainer.param_count(), "tokens_per_step": tokens, "compile_s": round(j["compile_s"], 3),
            "step_s": step_s, "tokens_per_sec": tokens / step_s, "model_tflops_per_sec": per_device / step_s / 1e12,

@@ -159,7 +159,11 @@ def test_pallas_kernel_through_the_model(single, layout):
     assert_trees_close(grads, single[1], 1e-5, "grads ")
 
 
-def test_cudnn_train_step_lowers_for_cuda(monkeypatch):
+@pytest.mark.parametrize("layout, local", [
+    ({}, "(tensor<16x256x8x8xbf16>, tensor<16x256x4x8xbf16>, tensor<16x256x4x8xbf16>"),
+    (dict(parallel__data=2, parallel__tensor=2), "(tensor<8x256x4x8xbf16>, tensor<8x256x2x8xbf16>, tensor<8x256x2x8xbf16>")],
+    ids=["1-device", "data2-tensor2"])
+def test_cudnn_train_step_lowers_for_cuda(monkeypatch, layout, local):
     """The whole train step with model.attention=cudnn lowers for CUDA (this host has no GPU, so the
     platform and cuDNN version checks are patched): cuDNN's fused forward and backward appear once
     per layer scan, take K/V with the KV heads (no copies for GQA), and nothing has the shape of a
@@ -168,14 +172,13 @@ def test_cudnn_train_step_lowers_for_cuda(monkeypatch):
 
     monkeypatch.setattr(attention_ops, "_platform", lambda: "gpu")
     monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
-    cfg = config("llama_gqa", model__attention="cudnn", model__compute_dtype="bfloat16", model__seq_len=256,
-                 parallel__data=2, parallel__tensor=2)
+    cfg = config("llama_gqa", model__attention="cudnn", model__compute_dtype="bfloat16", model__seq_len=256, **layout)
     t = trainer(cfg)
     text = t._step_jit.trace(t.abstract_state, t.abstract_batch).lower(lowering_platforms=("cuda",)).as_text()
-    # cuDNN's forward and backward are custom-partitioned calls (they become __cudnn$fmhaSoftmax and
-    # __cudnn$fmhaSoftmaxBackward when XLA partitions them); per device: batch 16/2, heads 8/2,
-    # kv heads 4/2, T 256, head dim 8
-    qkv_types = "(tensor<8x256x4x8xbf16>, tensor<8x256x2x8xbf16>, tensor<8x256x2x8xbf16>"
-    calls = [line for line in text.splitlines() if "custom_call @CustomSPMDPartitioning" in line]
-    assert len(calls) == 2 and all(qkv_types in c for c in calls), calls  # one forward, one backward (layer scan)
+    # cuDNN's forward and backward (__cudnn$fmhaSoftmax, __cudnn$fmhaSoftmaxBackward; on several devices
+    # custom-partitioned calls that become them when XLA partitions them) on the local q, k, v: batch 16 (/2),
+    # heads 8 (/2), kv heads 4 (/2), T 256, head dim 8
+    calls = [line for line in text.splitlines()
+             if "custom_call @CustomSPMDPartitioning" in line or "custom_call @__cudnn$fmha" in line]
+    assert len(calls) == 2 and all(local in c for c in calls), calls  # one forward, one backward (layer scan)
     assert not re.search(r"tensor<\d+x\d+x(\d+x)*256x256x(f32|bf16)>", text)  # no [B, heads.., T, T] scores
