@@ -14,7 +14,10 @@ newest checkpoint in its directory (checkpoint.resume=auto). Multi-process runs 
 command once per process (see README: multi-host); distributed.* keys or JAXPAR_COORDINATOR /
 JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID say how the processes find each other.
 
-Exit status: 0 done; 1 the run failed (unusable checkpoint, too many non-finite steps); 2 bad config.
+Exit status: 0 done (also after a SIGTERM, which saves and stops); 1 the run failed (unusable checkpoint,
+too many non-finite steps, a failed save, the run directory in use, out of device memory, a dead peer,
+JAX could not start its backend); 2 bad config; 130 Ctrl-C (the first saves and stops after the step,
+a second stops at once).
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxpar.cli import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG),
                     help="YAML config file; missing keys take the built-in defaults (default: %(default)s)")
     ap.add_argument("--keys", action="store_true", help="print the table of config keys and exit")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=4")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # --config may come after overrides too
 
     from jaxpar.config import ConfigError, config_table, load_config
+    from jaxpar.distributed import ClusterError
+    from jaxpar.mesh import PlatformError
 
     if args.keys:
         print(config_table())
@@ -48,22 +55,35 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (PlatformError, ClusterError) as e:  # no backend (JAX_PLATFORMS=cuda without a GPU), no coordinator
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C) before training started; nothing was changed", file=sys.stderr)
+        return 130
     from jaxpar.checkpoint import CheckpointError
-    from jaxpar.run import TrainingError, run
+    from jaxpar.lock import RunLockError
+    from jaxpar.run import Interrupted, TrainingError, run
 
     try:
-        run(cfg)
-    except (ConfigError, CheckpointError, TrainingError) as e:
-        # Exit at once, the error line last: after a dead peer JAX's shutdown would wait for it until
-        # the heartbeat timeout, and after an unreadable checkpoint tensorstore's reader threads
-        # print tracebacks of their own cancelled reads.
-        sys.stdout.flush()
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        quiet = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(quiet, 1)
-        os.dup2(quiet, 2)
-        os._exit(2 if isinstance(e, ConfigError) else 1)
-    return 0
+        summary = run(cfg)
+    except KeyboardInterrupt:  # during start-up (in the loop, the first Ctrl-C stops after the step and saves)
+        _exit_with_line("interrupted (Ctrl-C) during start-up; nothing was changed", 130)
+    except (ConfigError, CheckpointError, TrainingError, RunLockError) as e:
+        _exit_with_line(str(e), 2 if isinstance(e, ConfigError) else 130 if isinstance(e, Interrupted) else 1)
+    return 130 if summary.get("interrupted") == "SIGINT" else 0
+
+
+def _exit_with_line(message: str, status: int):
+    """The error line last, then exit at once: after a dead peer JAX's shutdown would wait for it
+    until the heartbeat timeout, and after an unreadable checkpoint tensorstore's reader threads
+    print tracebacks of their own cancelled reads."""
+    sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     python benchmarks/checkpoint.py [--layers 8] [--d-model 512] [--devices 8] [--out /tmp/jaxpar-ckpt-bench]
 
+``--out`` is replaced on each run, so it must be a new folder or one this benchmark wrote.
+
 Builds a GPT (default ~29M parameters + AdamW state, ZeRO-1 over data=N), then measures:
 
 * ``step``           seconds per train step (the unit to compare against);
@@ -25,13 +27,34 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def check_args(args) -> None:
+    """Each bad argument a ValueError naming it and the valid values; nothing is built before."""
+    if args.layers < 1:
+        raise ValueError(f"--layers={args.layers} must be >= 1")
+    if args.d_model < 8 or args.d_model % 8:
+        raise ValueError(f"--d-model={args.d_model} must be a positive multiple of 8 (the model has 8 heads)")
+    if args.devices < 2 or args.devices % 2:
+        raise ValueError(f"--devices={args.devices} must be even and >= 2 (the restore test uses data=N/2 x tensor=2)")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or set(p.name for p in out.iterdir()) - {"async", "sync"}):
+        raise ValueError(f"--out={args.out} exists and is not this benchmark's folder (it holds only async/ and "
+                         "sync/); name a new folder")
+
+
+def main() -> int:
+    from jaxpar.cli import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--out", default="/tmp/jaxpar-ckpt-bench")
     args = ap.parse_args()
+    try:
+        check_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from jaxpar.config import load_config
     from jaxpar.mesh import request_cpu_devices
@@ -89,7 +112,8 @@ def main() -> None:
         res[name] = time.perf_counter() - t0
     ck.close()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -136,6 +136,32 @@ def build_plain(cfg) -> dict:
     return {"step": step, "compile_s": compile_s}
 
 
+def check_args(args, cases: list[str]) -> list[int]:
+    """Every argument and case checked before anything compiles (a ValueError naming the bad one);
+    returns the ``--depth`` list."""
+    from jaxpar.config import load_config
+
+    if args.steps < 1:
+        raise ValueError(f"--steps={args.steps} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if args.peak_tflops < 0:
+        raise ValueError(f"--peak-tflops={args.peak_tflops} must be >= 0 (0 = by device kind)")
+    try:
+        depths = [int(d) for d in args.depth.split(",")] if args.depth else []
+    except ValueError:
+        raise ValueError(f"--depth={args.depth!r} must be comma-separated layer counts, e.g. 2,24") from None
+    if any(d < 1 for d in depths):
+        raise ValueError(f"--depth={args.depth!r}: every layer count must be >= 1")
+    for case in cases:
+        path, over = parse_case(case)
+        try:
+            load_config(path, COMMON + over)
+        except ValueError as e:
+            raise ValueError(f"case {case!r}: {e}") from None
+    return depths
+
+
 def run_case(case: str, args) -> dict:
     import jax
 
@@ -204,7 +230,9 @@ def _fmt(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxpar.cli import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="*", help="config.yaml[:key=value,...] (default: --preset gpu)")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a named list of cases")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per case (median reported)")
@@ -217,14 +245,25 @@ def main(argv=None) -> int:
     if args.cases and args.preset:
         ap.error("give cases or --preset, not both")
     cases = args.cases or PRESETS[args.preset or "gpu"]
+    try:
+        depths = check_args(args, cases)
+    except ValueError as e:  # bad arguments and ConfigErrors: one line, nothing run
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     results = []
     for case in cases:
-        r = run_case(case, args)
+        try:
+            r = run_case(case, args)
+        except Exception as e:  # noqa: BLE001 - out of device memory: one line, the cases so far are printed
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            print(f"error: {case}: out of device memory ({str(e).strip().splitlines()[0][:200]}); run a smaller "
+                  "case (--preset cpu on a CPU host) or add remat / parallel.* keys to the case", file=sys.stderr)
+            return 1
         results.append(r)
         print(_fmt(r), flush=True)
-    if args.depth:
-        depths = [int(d) for d in args.depth.split(",")]
+    if depths:
         comp = depth_scaling(depths, cases[0])
         ratio = comp[depths[-1]] / comp[depths[0]]
         print(f"compile seconds by depth ({cases[0]}): "

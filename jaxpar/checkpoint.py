@@ -13,6 +13,9 @@ with three items:
 **Atomic.** orbax writes into a temporary directory and renames it to ``<step>`` only when every
 item of every process is complete; a save interrupted by a crash leaves a temporary directory
 that is never listed as a checkpoint (and is removed when the next run opens the directory).
+A save that fails (disk full, permissions, an I/O error), in the foreground or in the
+background, removes its temporary directory and stops the run with one :class:`CheckpointError`
+line; the newest complete checkpoint stays the newest.
 
 **Random state.** jaxpar has no stochastic layers; the initial weights come from ``train.seed``,
 the data order and synthetic tokens from ``(train.seed, step)``: the saved config and step
@@ -29,6 +32,7 @@ Loading never unpickles: arrays come from tensorstore, the rest from JSON (confi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -46,6 +50,17 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
 
 
+def _storage_cause(e: BaseException) -> str:
+    """The operating system's reason first (``No space left on device``, ``File too large``, ...),
+    when the storage layer reports one, then the start of the error."""
+    import os
+    import re
+
+    code = re.search(r"os_error_code='?(\d+)", str(e))
+    reason = f"{os.strerror(int(code.group(1)))}: " if code else ""
+    return (reason + _first_line(e))[:300]
+
+
 def _shapes(tree) -> dict[str, tuple]:
     """``{"params/blocks/attn/qkv/kernel": shape}`` for a nested dict of arrays or array metadata."""
     out = {}
@@ -61,7 +76,11 @@ class Checkpointer:
         """``directory``: a local path, or a ``gs://`` URL (passed to orbax as an ``epath.Path``)."""
         import orbax.checkpoint as ocp
 
-        logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save at INFO/WARNING
+        # orbax logs every save at INFO/WARNING, and a failed background write as an ERROR with the
+        # whole tensorstore spec: the failure reaches the run as one CheckpointError instead
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        _drop_closed_loop_reports()
         self.ocp = ocp
         _single_process_writes()
         if "://" in str(directory):  # a bucket (gs://...): orbax's own path type
@@ -99,12 +118,42 @@ class Checkpointer:
         a = self.ocp.args
         meta = {"format": FORMAT, "step": int(step), "config": config,
                 "param_shapes": {k: list(v) for k, v in _shapes(state["params"]).items()}}
-        self.manager.save(step, args=a.Composite(state=a.StandardSave(state), data=a.JsonSave(data_state),
-                                                 meta=a.JsonSave(meta)), force=True)
+        with self._failing_save(step):
+            self.manager.save(step, args=a.Composite(state=a.StandardSave(state), data=a.JsonSave(data_state),
+                                                     meta=a.JsonSave(meta)), force=True)
 
     def wait(self) -> None:
-        """Block until the pending save is complete on disk."""
-        self.manager.wait_until_finished()
+        """Block until the pending save is complete on disk (a failed one: :class:`CheckpointError`)."""
+        with self._failing_save(None):
+            self.manager.wait_until_finished()
+
+    def check_for_errors(self) -> None:
+        """Raise :class:`CheckpointError` if a background save has failed (cheap; call after each step)."""
+        with self._failing_save(None):
+            self.manager.check_for_errors()
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int | None):
+        """A save that fails (disk full, permissions, I/O error), now or in the background: its
+        temporary directory is removed, the newest complete checkpoint stays the newest, and the run
+        gets one line naming the directory and the cause."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - whatever the storage raised, the cause is in the line
+            self._remove_tmp()
+            newest = self.latest()
+            raise CheckpointError(
+                f"saving a checkpoint in {self.dir} failed ({_storage_cause(e)}); "
+                + (f"the newest complete checkpoint is still {self.path(newest)}" if newest is not None
+                   else "there is no complete checkpoint") + "; training stopped") from None
+
+    def _remove_tmp(self) -> None:
+        if "://" in str(self.dir):
+            return
+        import shutil
+
+        for tmp in Path(self.dir).glob("*.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def close(self) -> None:
         self.manager.close()

@@ -82,10 +82,39 @@ def plan(d: DistributedConfig) -> Plan | None:
     return Plan(coordinator, num, pid, d.heartbeat_timeout, d.init_timeout)
 
 
+class ClusterError(RuntimeError):
+    """This process cannot join the multi-process run (one line: what it tried, for how long)."""
+
+
+def wait_for_coordinator(address: str, timeout: float) -> None:
+    """Until ``timeout`` seconds have passed, try to open a TCP connection to the coordinator at
+    ``host:port``; raise :class:`ClusterError` if none succeeded. (JAX's own client aborts the
+    process with a C++ fatal error when the coordinator cannot be reached.)"""
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout)):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"cannot reach the coordinator at {address} (distributed.coordinator) within "
+                               f"distributed.init_timeout={timeout:g}s: {last}; start process 0 first, or check "
+                               "the address and the network") from None
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
 def initialize(p: Plan) -> None:
     """Join the run (before the first JAX computation). Blocks until all processes have joined."""
     import jax
 
+    if p.coordinator is not None and p.process_id not in (None, 0):  # process 0 hosts the coordinator
+        wait_for_coordinator(p.coordinator, p.init_timeout)
     try:
         jax.distributed.initialize(coordinator_address=p.coordinator, num_processes=p.num_processes,
                                    process_id=p.process_id, initialization_timeout=p.init_timeout,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -110,11 +111,27 @@ def setup_devices(par: ParallelConfig, dist: DistributedConfig | None = None) ->
             raise ConfigError(f"the mesh needs {n} devices, which {procs} processes cannot share equally; "
                               "set parallel.cpu_devices (simulated devices per process)")
         n //= procs
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    if forced and int(forced.group(1)) != n and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        raise ConfigError(f"XLA_FLAGS sets --xla_force_host_platform_device_count={forced.group(1)}, but the mesh needs "
+                          f"{n} simulated CPU devices per process (parallel.*); remove the flag (jaxpar sets the count "
+                          f"from parallel.*) or set it to {n}")
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         request_cpu_devices(n)
     if plan is not None:
         distributed.initialize(plan)
-    return jax.devices()
+    try:
+        return jax.devices()
+    except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError, or AssertionError when no plugin exists
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        platforms = os.environ.get("JAX_PLATFORMS")
+        hint = (f"JAX_PLATFORMS={platforms} names a platform this host cannot start; unset it or name one it has "
+                "(cpu, cuda, tpu)" if platforms else "check the accelerator's drivers and the installed jax plugin")
+        raise PlatformError(f"JAX could not start its backend ({first[:200]}); {hint}") from None
+
+
+class PlatformError(RuntimeError):
+    """JAX could not start a backend (one line: the cause and what to change)."""
 
 
 def describe(mesh: Mesh) -> str:

@@ -37,12 +37,16 @@ import contextlib
 import contextvars
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 @dataclass(frozen=True)
 class Rules:
@@ -261,7 +265,7 @@ def constrain_weight(w: jax.Array, names) -> jax.Array:
     return jax.lax.with_sharding_constraint(w, rules.compute.sharding(names, w.shape, "weight"))
 
 
-def param(value: jax.Array, names) -> "nnx.Param":
+def param(value: jax.Array, names) -> nnx.Param:
     """An ``nnx.Param`` annotated with logical axis names (one per dim) for jaxpar's rules.
 
     Flax's eager sharding is switched off for it: placement is decided by :mod:`jaxpar.partitioning`

@@ -44,16 +44,48 @@ def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def check_schedule_args(stages: int, microbatches: int, repeats: int, out: str | Path) -> None:
+    """The chart's inputs, each wrong one a ValueError naming it and the valid values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    if stages < 1 or repeats < 1 or microbatches < 1:
+        raise ValueError(f"--stages={stages}, --microbatches={microbatches} and --repeats={repeats} must be >= 1")
+    if repeats > 1 and microbatches < stages:
+        raise ValueError(f"a circular schedule (--repeats={repeats}) needs --microbatches >= --stages ({stages}); "
+                         f"got {microbatches}")
+    path = Path(out)
+    if not path.parent.is_dir():
+        raise ValueError(f"--out={out}: the folder {str(path.parent)!r} does not exist")
+    formats = Figure().canvas.get_supported_filetypes()
+    fmt = path.suffix.lstrip(".").lower()
+    if fmt not in formats:
+        raise ValueError(f"--out={out}: unknown image format {fmt!r}; use one of {', '.join(sorted(formats))}")
+
+
+def main(argv=None) -> int:
+    """``python -m jaxpar.plots``: exit 0, or 2 with one ``error:`` line for a bad argument."""
+    import sys
+
+    from jaxpar.cli import ArgumentParser
+
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", type=int, required=True)
     ap.add_argument("--microbatches", type=int, required=True)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="pipeline_schedule.png")
     a = ap.parse_args(argv)
-    plot_schedule(a.stages, a.microbatches, a.repeats, a.out)
+    try:
+        check_schedule_args(a.stages, a.microbatches, a.repeats, a.out)
+        plot_schedule(a.stages, a.microbatches, a.repeats, a.out)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {a.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -52,6 +52,7 @@ from jaxpar import mesh as meshlib
 from jaxpar.checkpoint import CheckpointError, Checkpointer, config_changes
 from jaxpar.config import Config
 from jaxpar.data.sources import make_source
+from jaxpar.lock import RunLock
 from jaxpar.trainer import Trainer
 
 def _fmt_bytes(n: float) -> str:
@@ -159,18 +160,88 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many consecutive non-finite steps): one line, the cause."""
 
 
+class Interrupted(TrainingError):
+    """The run was stopped by a second Ctrl-C, without saving (exit status 130)."""
+
+
 class PeerError(TrainingError):
     """A collective with the other processes of a multi-process run failed: a peer died or was killed.
     The process should exit at once (``os._exit``): waiting for the peers at shutdown would hang
     until the heartbeat timeout."""
 
 
-def open_checkpoints(cfg: Config, log) -> tuple[Checkpointer | None, int | None]:
+class _StartUp:
+    """What a start creates before it has passed every check, to undo if it fails: the lock of the
+    run directory (process 0), and the directories that did not exist before."""
+
+    def __init__(self, out: Path, main: bool, log):
+        self.created: list[Path] = []
+        self.lock = RunLock(out, log)
+        if main:
+            self.make(out)
+            self.lock.acquire()
+
+    def make(self, directory: Path) -> None:
+        """Create ``directory`` (and parents), remembering what was new."""
+        missing = [d for d in [directory, *directory.parents] if not d.exists()]
+        directory.mkdir(parents=True, exist_ok=True)
+        self.created.extend(missing)  # deepest first
+
+    def undo(self) -> None:
+        self.lock.release()
+        for d in sorted(self.created, key=lambda d: len(d.parts), reverse=True):  # children first
+            try:
+                d.rmdir()  # only if empty: never remove what someone else put there
+            except OSError:
+                pass
+
+
+class _OutOfMemoryAsError:
+    """Inside ``with``: an out-of-memory failure of the device (at initialisation, compilation or any
+    step; under asynchronous dispatch a step's failure surfaces where its result is first read)
+    becomes one :class:`TrainingError` line with what the step needs (``report``, once compiled) and
+    what the device has."""
+
+    def __init__(self, trainer):
+        self.trainer, self.report = trainer, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, jax.errors.JaxRuntimeError) and _is_out_of_memory(e):
+            raise TrainingError(out_of_memory_message(e, self.trainer.mesh.devices.flat[0], self.report)) from None
+        return False
+
+
+def _is_out_of_memory(e: Exception) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def out_of_memory_message(e: Exception, device, report: dict | None) -> str:
+    mem = (report or {}).get("memory", {})
+    need = mem.get("argument_size", 0) + mem.get("temp_size", 0) + mem.get("output_size", 0) - mem.get("alias_size", 0)
+    stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
+    have, holder = stats.get("bytes_limit"), getattr(device, "device_kind", "the device")
+    if not have and getattr(device, "platform", "") == "cpu":  # simulated devices share the host's memory
+        have, holder = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host (all its CPU devices)"
+    first = str(e).strip().splitlines()[0][:200]
+    return (f"out of device memory ({first})"
+            + (f": the train step needs {_fmt_bytes(need)} per device" if need else "")
+            + (f" and {holder} has {_fmt_bytes(have)}" if have else "")
+            + "; lower the memory with model.remat=save_dots or full, shard more (parallel.zero=3, parallel.tensor, "
+              "parallel.pipe), or lower train.batch_size / raise train.grad_accum")
+
+
+def open_checkpoints(cfg: Config, log, start_up: _StartUp | None = None) -> tuple[Checkpointer | None, int | None]:
     """The run's :class:`Checkpointer` (None when disabled) and the step to resume from (None: fresh)."""
     ck = cfg.checkpoint
     if not ck.enabled:
         return None, None
     directory = ck.dir or Path(cfg.train.out_dir) / "checkpoints"
+    if start_up is not None and "://" not in str(directory) and jax.process_index() == 0:
+        start_up.make(Path(directory))
     ckpt = Checkpointer(directory, keep=ck.keep, async_save=ck.async_save)
     steps = ckpt.steps()
     error = None
@@ -221,31 +292,44 @@ def _previous_records(out: Path, before: int) -> list[dict]:
 
 def run(cfg: Config, mesh=None, log=print) -> dict:
     """Train ``cfg`` to completion (continuing from its newest checkpoint, see ``checkpoint.resume``);
-    returns a summary (final train / validation loss, run directory, first step run)."""
+    returns a summary (final train / validation loss, run directory, first step run, and
+    ``interrupted``: the signal that stopped it early, if one did).
+
+    A failed start changes nothing: the run directory is locked first (:mod:`jaxpar.lock`), and
+    ``config.yaml`` and the other outputs are written only once every check has passed (model and
+    mesh, checkpoints, data, restore, compilation); directories the failed start created are removed.
+    """
     out = Path(cfg.train.out_dir)
     main = jax.process_index() == 0
     if not main:
         log = _quiet
-    trainer = Trainer(cfg, mesh=mesh)
-    ckpt, resume_step = open_checkpoints(cfg, log)
+    start_up = _StartUp(out, main, log)
+    ckpt = None
+    try:
+        trainer = Trainer(cfg, mesh=mesh)
+        oom = _OutOfMemoryAsError(trainer)
+        ckpt, resume_step = open_checkpoints(cfg, log, start_up)
+        log(startup_report(trainer))
+        rows = trainer.local_rows()
+        if jax.process_count() > 1:  # every process says what it holds
+            print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local devices, "
+                  f"loads rows {rows.start}:{rows.stop} of each global batch of {cfg.train.batch_size}", flush=True)
+        source = make_source(cfg, rows, log)
+        t0 = time.perf_counter()
+        with oom:
+            if resume_step is None:
+                state = trainer.init_state()
+            else:
+                state = restore_state(cfg, trainer, ckpt, resume_step, source, log)
+            report = oom.report = trainer.compile(log)
+        report["compile_seconds"] = round(time.perf_counter() - t0, 3)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        start_up.undo()
+        raise
     if main:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    log(startup_report(trainer))
-    rows = trainer.local_rows()
-    if jax.process_count() > 1:  # every process says what it holds
-        print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local devices, "
-              f"loads rows {rows.start}:{rows.stop} of each global batch of {cfg.train.batch_size}", flush=True)
-    source = make_source(cfg, rows, log)
-
-    t0 = time.perf_counter()
-    if resume_step is None:
-        state = trainer.init_state()
-    else:
-        state = restore_state(cfg, trainer, ckpt, resume_step, source, log)
-    report = trainer.compile(log)
-    report["compile_seconds"] = round(time.perf_counter() - t0, 3)
-    if main:
         (out / "compile_report.json").write_text(json.dumps(report, indent=2))
         if cfg.debug.dump_hlo:
             (out / "train_step.hlo.txt").write_text(trainer.hlo_text())
@@ -255,7 +339,15 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
         f"arguments, {_fmt_bytes(mem.get('temp_size', 0))} temp (model.remat={cfg.model.remat}); model flops "
         f"{report['model_flops']['per_step_per_device']:.3g}/step/device"
         + (f"; XLA options: {len(report['xla_options'])} (train.xla_perf_options)" if report["xla_options"] else ""))
+    try:
+        with oom:
+            return _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log)
+    finally:
+        start_up.lock.release()
 
+
+def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log) -> dict:
+    """The loop of :func:`run`, after a successful start."""
     def evaluate(params) -> float:
         losses = [trainer.eval_loss(params, trainer.place_batch(b)) for b in source.val]
         return float(np.mean(jax.device_get(losses)))
@@ -277,7 +369,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
         if source.val:
             val = evaluate(state["params"])
     current, preempted = [start], None  # the step in progress, for the watchdog's message
-    preemption, watchdog = _Preemption(), Watchdog(cfg.train.step_timeout, _hang_exit(cfg, ckpt, current))
+    preemption, watchdog = _Preemption(log), Watchdog(cfg.train.step_timeout, _hang_exit(cfg, ckpt, current))
     try:
         with bar:
             task = bar.add_task("train", total=steps, completed=start, loss="-", tps="-")
@@ -285,6 +377,8 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                 current[0] = step
                 state, metrics = trainer.step(state, trainer.place_batch(source.next()))
                 faults.push(step, metrics)  # reads the previous step's flag: one step stays in flight
+                if ckpt is not None:
+                    ckpt.check_for_errors()  # a background save that failed stops the run now
                 watchdog.beat()
                 last = step == steps - 1
                 do_eval = source.val and (last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0))
@@ -320,11 +414,15 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
                 bar.advance(task)
                 if stop and not last:
                     preempted = step + 1
-                    log(f"preempted (SIGTERM): stopping after step {step}"
+                    how = "interrupted (Ctrl-C)" if preemption.signal_name == "SIGINT" else "preempted (SIGTERM)"
+                    log(f"{how}: stopping after step {step}"
                         + (f"; checkpoint {ckpt.path(step + 1)} saved, run the same command to continue"
                            if ckpt is not None else "; checkpoints are disabled, so nothing was saved"))
                     break
             faults.flush()
+    except KeyboardInterrupt:  # the second Ctrl-C
+        raise Interrupted(f"interrupted twice (Ctrl-C): stopped at once during step {current[0]} without saving; "
+                          f"{_newest(ckpt)}") from None
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
@@ -335,12 +433,19 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
         watchdog.close()
         logger.close()
         preemption.close()
-        if ckpt is not None and not isinstance(sys.exc_info()[1], PeerError):
-            ckpt.wait()  # a pending save completes (or the last good checkpoint stays the newest)
-            ckpt.close()
+        failed = sys.exc_info()[1]
+        if ckpt is not None and not isinstance(failed, (PeerError, Interrupted)):
+            try:
+                ckpt.wait()  # a pending save completes (or the last good checkpoint stays the newest)
+            except CheckpointError:
+                if failed is None:
+                    raise
+            finally:
+                ckpt.close()
     end = preempted or max(start, steps)
     summary = {"final_loss": loss, "val_loss": val, "out_dir": str(out), "steps": steps, "start_step": start,
-               "skipped_steps": faults.total, "preempted_at": preempted}
+               "skipped_steps": faults.total, "preempted_at": preempted,
+               "interrupted": preemption.signal_name if preempted else None}
     if ckpt is not None:
         summary["checkpoint"] = str(ckpt.path(end))
     if main and logger.records:
@@ -356,24 +461,42 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
 
 
 class _Preemption:
-    """A scheduler's preemption notice (SIGTERM): save a checkpoint after the current step and stop.
+    """A request to stop: save a checkpoint after the current step, then stop.
 
-    One process: a SIGTERM handler (installed for the duration of the run, from the main thread)
-    sets a flag that the loop reads after each step. Several processes: JAX's preemption service,
-    started by ``jax.distributed.initialize``, receives the SIGTERM of any host and lets every
-    process agree on the same step to stop at (``reached_preemption_sync_point``)."""
+    SIGTERM (a scheduler's preemption notice) and the first Ctrl-C (SIGINT) both ask for it; a
+    second Ctrl-C stops at once without saving (``KeyboardInterrupt``, turned into
+    :class:`Interrupted`). One process: handlers installed for the duration of the run (from the
+    main thread) set a flag that the loop reads after each step. Several processes: JAX's
+    preemption service, started by ``jax.distributed.initialize``, receives the SIGTERM of any host
+    (a Ctrl-C is passed to it as a SIGTERM to this process) and lets every process agree on the
+    same step to stop at (``reached_preemption_sync_point``)."""
 
-    def __init__(self):
+    def __init__(self, log=print):
         import signal
         import threading
 
-        self.flag, self.previous = False, None
+        self.flag, self.signal_name, self.previous, self.log = False, None, {}, log
         self.multi = jax.process_count() > 1
-        if not self.multi and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._notice)
+        if threading.current_thread() is threading.main_thread():
+            if not self.multi:
+                self.previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._notice)
+            self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
 
     def _notice(self, *_):
-        self.flag = True
+        self.flag, self.signal_name = True, self.signal_name or "SIGTERM"
+
+    def _interrupt(self, *_):
+        import signal
+
+        if self.signal_name == "SIGINT":
+            raise KeyboardInterrupt
+        self.signal_name = "SIGINT"
+        print("\ninterrupted (Ctrl-C): finishing this step and saving a checkpoint; press Ctrl-C again to stop at once "
+              "without saving", file=sys.stderr, flush=True)
+        if self.multi:  # every process must stop at the same step: JAX's preemption service agrees on it
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self.flag = True
 
     def reached(self, steps_done: int) -> bool:
         if self.multi:
@@ -386,10 +509,11 @@ class _Preemption:
         return self.flag
 
     def close(self):
-        if self.previous is not None:
-            import signal
+        import signal
 
-            signal.signal(signal.SIGTERM, self.previous)
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
 
 
 class Watchdog:

@@ -39,9 +39,27 @@ def test_overrides_and_yaml(tmp_path):
     (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
     (["train.batch_size=10", "train.grad_accum=4"], "not divisible by train.grad_accum=4"),
     (["model"], "must look like section.key=value"),
-    (["checkpoint.keep=0"], "checkpoint.keep=0 >= 1"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0 is out of range: it must be >= 1"),
     (["checkpoint.resume=yes"], "choose one of auto, required, never"),
-    (["train.max_bad_steps=0"], "train.max_bad_steps=0 must be >= 1"),
+    (["train.max_bad_steps=0"], "train.max_bad_steps=0 is out of range: it must be >= 1"),
+    # every numeric key has a range, named in the message
+    (["train.beta1=1.0"], "train.beta1=1.0 is out of range: it must be [0, 1)"),
+    (["train.beta2=-0.1"], "train.beta2=-0.1 is out of range: it must be [0, 1)"),
+    (["train.eps=-1e-8"], "train.eps=-1e-08 is out of range: it must be > 0"),
+    (["train.lr=0"], "train.lr=0.0 is out of range: it must be > 0"),
+    (["model.norm_eps=-1e-5"], "model.norm_eps=-1e-05 is out of range: it must be > 0"),
+    (["model.init_std=0"], "model.init_std=0.0 is out of range: it must be > 0"),
+    (["model.rope_theta=-5"], "model.rope_theta=-5.0 is out of range: it must be > 0"),
+    (["data.val_fraction=0.9"], "data.val_fraction=0.9 is out of range: it must be (0, 0.5]"),
+    (["train.seed=-3"], "train.seed=-3 is out of range: it must be >= 0"),
+    (["train.min_lr_ratio=2"], "train.min_lr_ratio=2.0 is out of range: it must be [0, 1]"),
+    (["moe.capacity_factor=0"], "moe.capacity_factor=0.0 is out of range: it must be > 0"),
+    (["sample.temperature=-1"], "sample.temperature=-1.0 is out of range: it must be >= 0"),
+    (["distributed.process_id=-2"], "distributed.process_id=-2 is out of range: it must be >= -1"),
+    # nonsense that used to be accepted
+    (["train.out_dir="], "train.out_dir is empty"),
+    (["parallel.microbatches=4"], "parallel.microbatches=4 has no effect with parallel.pipe=1"),
+    (["parallel.pipeline_repeats=2"], "parallel.pipeline_repeats=2 has no effect with parallel.pipe=1"),
     (["debug.nan_steps=3,x"], "debug.nan_steps='3,x': expected comma-separated step numbers"),
     (["distributed.num_processes=2", "distributed.process_id=2"], "distributed.process_id=2 must be < "),
     (["model=3"], "model is a section"),
@@ -193,3 +211,26 @@ def test_distributed_plan_from_keys_environment_and_scheduler(monkeypatch):
     monkeypatch.setenv("JAXPAR_NUM_PROCESSES", "two")
     with pytest.raises(ConfigError, match="JAXPAR_NUM_PROCESSES='two' must be an integer"):
         distributed.plan(d)
+
+
+def test_readme_commands_fit_the_eight_simulated_devices():
+    """Every `python train.py` line of the README's Running section loads and fits 8 devices (what a
+    CPU host simulates) or, with -1, a mesh that 8 devices fill."""
+    import shlex
+    from pathlib import Path
+
+    from jaxpar.mesh import axis_sizes
+    from jaxpar.partitioning import check_model_fits
+
+    root = Path(__file__).resolve().parents[1]
+    block = (root / "README.md").read_text().split("## Running\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("python train.py")]
+    assert len(lines) >= 8
+    for words in lines:
+        if "--keys" in words:
+            continue
+        path = words[words.index("--config") + 1] if "--config" in words else "configs/default.yaml"
+        over = [w for w in words[2:] if "=" in w]
+        cfg = load_config(root / path, over)
+        sizes = axis_sizes(cfg.parallel, 8)
+        check_model_fits(cfg.model, cfg.parallel, sizes)

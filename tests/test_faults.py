@@ -272,3 +272,212 @@ def test_watchdog_fires_only_without_progress():
     assert len(fired) == 1 and 0.3 < fired[0] < 0.6, fired
     idle = Watchdog(0, fired.append)  # 0 = no limit: no thread at all
     assert idle._thread is None
+
+
+# --- the run's lifecycle: Ctrl-C, failed saves, one run per directory, failed starts -----------------
+
+def test_ctrl_c_saves_after_the_step_and_the_resume_is_exact(tmp_path, reference):
+    """The first Ctrl-C (SIGINT) at a random step: the run finishes that step, saves, says how to
+    continue and exits 130; the resumed run's losses equal the uninterrupted run's bit for bit."""
+    out = tmp_path / "run"
+    at = random.Random().randint(1, STEPS - 4)
+    p = start(out, f"train.steps={STEPS}")
+    wait_for(lambda: last_step(out) >= at, p, poll=0.01)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(300) == 130
+    text = out.with_suffix(".log").read_text()
+    k = int(text.split("interrupted (Ctrl-C): stopping after step ")[1].split(";")[0]) + 1
+    assert f"checkpoint {out / 'checkpoints' / str(k)} saved, run the same command to continue" in text
+    assert "Traceback" not in text
+    train(out, f"train.steps={STEPS}")
+    assert losses(out) == reference
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    """The handler behind Ctrl-C: the first asks for a save after the step, the second interrupts."""
+    from jaxpar.run import _Preemption
+
+    p = _Preemption()
+    try:
+        p._interrupt()
+        assert p.reached(1) and p.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            p._interrupt()
+    finally:
+        p.close()
+
+
+FSIZE = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+         "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); sys.argv = sys.argv[1:]; "
+         "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_a_failed_save_is_one_line_and_the_newest_checkpoint_stays(tmp_path, reference_run):
+    """Saving fails (the files may not grow past 20 kB: "File too large", as a full disk would fail
+    it): one error line naming the directory and the cause, exit 1, the temporary directory removed,
+    the previous checkpoints untouched and the newest still the newest."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    p = subprocess.run([sys.executable, "-c", FSIZE, str(ROOT / "train.py"), *ARGS, f"train.out_dir={out}",
+                        f"train.steps={STEPS + 3}"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert p.stderr.startswith(f"error: saving a checkpoint in {out / 'checkpoints'} failed (File too large: "), p.stderr
+    assert p.stderr.endswith(f"the newest complete checkpoint is still {out / 'checkpoints' / str(STEPS)}; "
+                             "training stopped\n")
+    assert p.stderr.count("\n") == 1, p.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # no temporary directory left
+
+
+def _snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_one_run_per_directory(tmp_path):
+    """A second run of a directory in use fails at once with one line naming the holder; the lock is
+    gone when the first run ends."""
+    out = tmp_path / "run"
+    first = start(out, "train.steps=100000")
+    wait_for(lambda: last_step(out) >= 1, first, poll=0.05)
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.out_dir={out}", "train.steps=3"],
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 1
+    assert p.stderr.startswith(f"error: {out} is in use by process {first.pid} on host "), p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(300) == 0
+    assert not (out / ".jaxpar.lock").exists()
+
+
+def test_a_stale_lock_is_taken_over_and_a_foreign_one_is_named(tmp_path):
+    """A lock of a process that no longer runs on this host is taken over with a note; one from
+    another host cannot be checked, so the error names the file to remove."""
+    from jaxpar.lock import RunLock, RunLockError
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path = tmp_path / ".jaxpar.lock"
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "then"}))
+    notes = []
+    lock = RunLock(tmp_path, log=notes.append)
+    lock.acquire()
+    assert notes == [f"note: {path} was left by process {dead.pid}, which no longer runs; taking it over"]
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not path.exists()
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "then"}))
+    with pytest.raises(RunLockError, match=f"is in use by process 1 on host elsewhere .*remove {path} if that run"):
+        RunLock(tmp_path).acquire()
+    assert json.loads(path.read_text())["host"] == "elsewhere"  # not ours: untouched
+
+
+LOCKED = "lock held by a live process"
+
+
+@pytest.mark.parametrize("args, env, status, needle", [
+    (["train.beta1=1.0"], {}, 2, "train.beta1=1.0 is out of range: it must be [0, 1)"),
+    (["train.beta2=-0.5"], {}, 2, "train.beta2=-0.5 is out of range: it must be [0, 1)"),
+    (["train.eps=-1e-8"], {}, 2, "train.eps=-1e-08 is out of range: it must be > 0"),
+    (["model.norm_eps=-1"], {}, 2, "model.norm_eps=-1.0 is out of range: it must be > 0"),
+    (["model.init_std=0"], {}, 2, "model.init_std=0.0 is out of range: it must be > 0"),
+    (["train.lr=-3e-4"], {}, 2, "train.lr=-0.0003 is out of range"),
+    (["data.val_fraction=1.5"], {}, 2, "data.val_fraction=1.5 is out of range"),
+    (["parallel.microbatches=4"], {}, 2, "parallel.microbatches=4 has no effect with parallel.pipe=1"),
+    (["parallel.tensr=2"], {}, 2, "did you mean parallel.tensor"),
+    (["data.source=shakespeare", "model.vocab_size=100000"], {}, 2, "more than twice what the tokenizer yields"),
+    (["--config", "nope.yaml"], {}, 2, "config file 'nope.yaml' does not exist"),  # --config after overrides
+    (["--confg", "x.yaml"], {}, 2, "unrecognized arguments: --confg x.yaml (did you mean --config?)"),
+    (["data.source=files", "data.path=/no/such/corpus/*.txt"], {}, 2, "data.path"),
+    ([], {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"}, 2,
+     "XLA_FLAGS sets --xla_force_host_platform_device_count=3, but the mesh needs 8"),
+    (["model.d_model=32", f"train.steps={STEPS + 3}"], {}, 1, "belongs to another model"),  # a refused resume
+    ([], {"JAX_PLATFORMS": "cuda"}, 1, "JAX could not start its backend ("),
+    (LOCKED, {}, 1, "is in use by process"),
+], ids=lambda v: None if isinstance(v, (int, dict)) else v if isinstance(v, str) else " ".join(v) or None)
+def test_cli_errors_are_one_line_and_leave_the_run_untouched(tmp_path, reference_run, args, env, status, needle):
+    """Bad input against an existing run directory: one `error:` line on stderr, exit 2 for a config
+    error and 1 for a run failure, no traceback, and every file of the run byte for byte as it was
+    (config.yaml and the checkpoints included)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    if args == LOCKED:  # held by this (live) pytest process
+        (out / ".jaxpar.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}))
+        args = []
+    before = _snapshot(out)
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.out_dir={out}", *args],
+                       capture_output=True, text=True, env={**_env(), **env}, cwd=ROOT, timeout=300)
+    assert p.returncode == status, p.stderr[-3000:]
+    assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stdout
+    assert _snapshot(out) == before
+
+
+def test_a_failed_start_in_a_new_directory_leaves_nothing(tmp_path):
+    """A start that fails on its data, on its platform or on its coordinator leaves no directory behind."""
+    new = tmp_path / "new" / "run"
+    for env, args, status, needle in [
+            ({}, ["data.source=files", f"data.path={tmp_path / 'no-such-corpus'}/*.txt"], 2, "error: "),
+            ({"JAX_PLATFORMS": "cuda"}, [], 1, "error: JAX could not start its backend ("),
+            ({}, ["parallel.data=2", "parallel.cpu_devices=1", "distributed.coordinator=localhost:1",
+                  "distributed.num_processes=2", "distributed.process_id=1", "distributed.init_timeout=2"], 1,
+             "error: cannot reach the coordinator at localhost:1 (distributed.coordinator) within")]:
+        p = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.out_dir={new}", *args],
+                           capture_output=True, text=True, env={**_env(), **env}, cwd=ROOT, timeout=300)
+        assert p.returncode == status and p.stderr.startswith(needle) and p.stderr.count("\n") == 1, p.stderr
+        assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--stages", "0", "--microbatches", "4"], "--stages=0, --microbatches=4 and --repeats=1 must be >= 1"),
+    (["--stages", "2", "--microbatches", "4", "--repeats", "0"], "must be >= 1"),
+    (["--stages", "4", "--microbatches", "2", "--repeats", "2"], "needs --microbatches >= --stages (4)"),
+    (["--stages", "2", "--microbatches", "4", "--out", "/no/such/folder/s.png"], "the folder '/no/such/folder' does"),
+    (["--stages", "2", "--microbatches", "4", "--out", "{tmp}/s.xyz"], "unknown image format 'xyz'; use one of"),
+    (["--stages", "two", "--microbatches", "4"], "argument --stages: invalid int value: 'two'"),
+])
+def test_plots_cli_errors_are_one_line(tmp_path, args, needle):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    p = subprocess.run([sys.executable, "-m", "jaxpar.plots", *args], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert needle in p.stderr, p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_of_memory_message_names_the_need_and_the_cure():
+    from types import SimpleNamespace
+
+    from jaxpar.run import out_of_memory_message
+
+    device = SimpleNamespace(device_kind="NVIDIA H200", platform="gpu", memory_stats=lambda: {"bytes_limit": 140 * 2**30})
+    report = {"memory": {"argument_size": 100 * 2**30, "temp_size": 60 * 2**30, "output_size": 100 * 2**30,
+                         "alias_size": 100 * 2**30}}
+    msg = out_of_memory_message(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB"),
+                                device, report)
+    assert msg.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB)")
+    assert "the train step needs 160.0 GiB per device and NVIDIA H200 has 140.0 GiB" in msg
+    assert "model.remat=save_dots or full" in msg and "parallel.zero=3" in msg
+
+
+AS_LIMIT = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30)); "
+            "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def test_out_of_memory_at_the_first_step_is_one_line(tmp_path):
+    """A model too big for the memory (8 GiB of address space here; its state alone is 18 GiB): one
+    line with the bytes the compiled step needs and the cures, exit 1."""
+    p = subprocess.run([sys.executable, "-c", AS_LIMIT, str(ROOT / "train.py"), "data.source=synthetic",
+                        "model.d_model=8192", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32",
+                        "train.batch_size=2", "parallel.data=1", "parallel.tensor=1", "sample.tokens=0",
+                        f"train.out_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert p.stderr.startswith("error: out of device memory (") and p.stderr.count("\n") == 1, p.stderr[-3000:]
+    need = float(p.stderr.split("the train step needs ")[1].split(" GiB per device and this host")[0])
+    n = int(p.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
+    assert need >= 3 * 4 * n / 2**30, (need, n)  # at least the float32 parameters and both Adam moments
+    assert "parallel.zero=3" in p.stderr

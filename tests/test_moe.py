@@ -306,9 +306,9 @@ def test_run_writes_moe_metrics(tmp_path):
 @pytest.mark.parametrize("over, needle", [
     (["moe.n_experts=6", "parallel.expert=4"], "moe.n_experts=6 is not divisible by parallel.expert=4"),
     (["moe.n_experts=4", "moe.top_k=5"], "moe.top_k=5 must be between 1 and moe.n_experts=4"),
-    (["moe.capacity_factor=0"], "moe.capacity_factor=0.0 must be > 0"),
-    (["moe.capacity_factor=-1.5"], "moe.capacity_factor=-1.5 must be > 0"),
-    (["moe.every=3"], "moe.every=3 must be positive and divide model.n_layers=4"),
+    (["moe.capacity_factor=0"], "moe.capacity_factor=0.0 is out of range: it must be > 0"),
+    (["moe.capacity_factor=-1.5"], "moe.capacity_factor=-1.5 is out of range: it must be > 0"),
+    (["moe.every=3"], "moe.every=3 must divide model.n_layers=4"),
     (["model.arch=dense"], "choose one of gpt, moe"),
 ])
 def test_bad_moe_config(over, needle):

@@ -116,7 +116,7 @@ def _expand(path: str) -> list[Path]:
     if glob.has_magic(path):
         files = sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not files:
-            raise ConfigError(f"data path {path!r}: the pattern matches no files")
+            raise ConfigError(f"data.path={path!r}: the pattern matches no files")
         return files
     p = Path(path)
     if p.is_file():
@@ -125,9 +125,9 @@ def _expand(path: str) -> list[Path]:
         suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
         if not files:
-            raise ConfigError(f"data path {path!r}: the folder holds no {'/'.join(suffixes)} files")
+            raise ConfigError(f"data.path={path!r}: the folder holds no {'/'.join(suffixes)} files")
         return files
-    raise ConfigError(f"data path {path!r} does not exist")
+    raise ConfigError(f"data.path={path!r} does not exist")
 
 
 def _read(f: Path) -> str:

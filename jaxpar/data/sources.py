@@ -67,6 +67,14 @@ class TextBatches:
             raise ConfigError(f"the validation text has {len(val_rows)} rows of model.seq_len={m.seq_len}, fewer than "
                               f"one batch (train.batch_size={b}); raise data.val_fraction or use more text")
         self.val = pipeline.eval_batches(val_rows, b, cfg.train.eval_batches, row_slice)
+        if len(self.val) < cfg.train.eval_batches:
+            log(f"note: the validation text holds {len(self.val)} batch(es) of train.batch_size={b}; evaluating on "
+                f"{len(self.val)}, not train.eval_batches={cfg.train.eval_batches} (raise data.val_fraction for more)")
+        ids = self.tokenizer.vocab_size
+        if m.vocab_size > 2 * ids:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is more than twice what the tokenizer yields ({ids} ids, "
+                              f"data.tokenizer={d.tokenizer}): the extra rows of the embedding and head are never used; "
+                              f"set model.vocab_size={ids}")
 
     def next(self) -> dict[str, np.ndarray]:
         return self.batches.next()
