@@ -181,8 +181,11 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # the backward's recompute of a layer redoes the attention-out all-reduce unless out_proj is kept
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
     recompute_ar = int(remat != "none" and "out_proj" not in kept)
+    shared_runs = layer_runs // cfg.moe.every if m.arch == "moe" and cfg.moe.shared_experts else 0
     if sizes["tensor"] > 1 and not par.sequence_parallel:
         add("all-reduce", tp, layer_runs * (4 + recompute_ar), act, "Megatron block all-reduces")
+        # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
+        add("all-reduce", tp, 2 * shared_runs, act, "shared experts' all-reduces")
         add("all-reduce", tp, k, rows * tl * d * param_bytes, "vocab-parallel lookup")
         add("all-reduce", tp, k, head_grad, "loss input gradient")
         add("all-reduce", tp, 3 * k, rows * tl * 4, "loss max / sum / target over the vocabulary")
@@ -191,6 +194,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         again = remat != "none"
         add("all-gather", tp, layer_runs * (4 + 2 * again), act, "Megatron-SP column-layer input all-gathers")
         add("reduce-scatter", tp, layer_runs * (4 + recompute_ar), act / t_, "Megatron-SP row-layer reduce-scatters")
+        # the shared experts' input all-gathers are the routed experts' (the same gather of the same value, CSE'd)
+        add("reduce-scatter", tp, 2 * shared_runs, act / t_, "Megatron-SP shared experts' reduce-scatters")
         add("reduce-scatter", tp, k, head_act / t_, "Megatron-SP lookup reduce-scatter")
         add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
         add("all-gather", tp, k, head_act, "Megatron-SP head input all-gather")

@@ -211,6 +211,12 @@ class MoEConfig:
     every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).", range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)
     renormalize: bool = _f(True, "Renormalise the top_k router probabilities of a token to sum to 1.")
+    score: str = _f("softmax", "Router scores: softmax over the experts (Mixtral, Switch) or sigmoid per expert "
+                               "(DeepSeek-V3; the chosen scores are the gates, renormalised if moe.renormalize).",
+                    ("softmax", "sigmoid"))
+    shared_experts: int = _f(0, "Always-on experts beside the routed ones (DeepSeek-MoE), each of width moe.d_ff; "
+                                "run as one dense MLP of width shared_experts * moe.d_ff, tensor-parallel.",
+                             range=NONNEGATIVE)
     aux_loss_weight: float = _f(0.01, "Weight of the Switch load-balancing loss E * sum_i f_i P_i (summed over MoE layers).", range=NONNEGATIVE)
     z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).", range=NONNEGATIVE)
 

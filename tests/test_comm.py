@@ -37,7 +37,9 @@ LAYOUTS = {
                                       parallel__sequence_parallel=True, model__n_layers=4)),
     "expert": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4)),
     "expert-tensor": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=2, parallel__tensor=2,
-                                   moe__n_experts=4)),
+                                   moe__n_experts=4, moe__shared_experts=1, moe__score="sigmoid")),
+    "expert-sp-shared": ("llama", dict(model__arch="moe", parallel__expert=2, parallel__tensor=4,
+                                       parallel__sequence_parallel=True, moe__n_experts=4, moe__shared_experts=2)),
     "expert-zero3": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4,
                                   parallel__zero=3)),
 }

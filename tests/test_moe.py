@@ -36,13 +36,31 @@ def _ffn(p, e, x, kind):
     return h @ p["w_out"][e]
 
 
+def _shared(p, s, x, kind, width):
+    """The s-th always-on expert: hidden units [s*width, (s+1)*width) of the shared MLP."""
+    cols = slice(s * width, (s + 1) * width)
+    up, down = p["shared"]["up"]["kernel"], p["shared"]["down"]["kernel"][cols]
+    if kind == "swiglu":
+        a, b = x @ up[:, 0, cols], x @ up[:, 1, cols]
+        return (a / (1 + jnp.exp(-a)) * b) @ down
+    return _gelu(x @ up[:, cols]) @ down
+
+
+def _scores(z, score, xp):
+    if score == "sigmoid":
+        return 1 / (1 + xp.exp(-z))
+    e = xp.exp(z - xp.max(z, axis=-1, keepdims=True))
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
 def reference(p: dict, x: np.ndarray, *, groups: int, k: int, cf: float, renormalize=True, kind="gelu",
-              dropless=False):
+              dropless=False, score="softmax", shared=0):
     """float64 numpy routing decisions, then a differentiable per-token sum over the kept experts.
 
     Group g is rows ``[g*B/groups, (g+1)*B/groups)`` of ``x [B, T, D]`` (one device's tokens), read in
-    row-major token order; an expert takes the first ``C`` assignments of its group, in token order
-    and, within a token, best expert first. Returns ``(f(p, x) -> y, stats)``.
+    row-major token order; an expert takes the first ``C`` assignments of its group by choice rank
+    (GShard/Switch): every token's first choice, in token order, then every token's second choice,
+    and so on. Returns ``(f(p, x) -> y, stats)``.
     """
     b, t, d = x.shape
     xs = np.asarray(x, np.float64).reshape(b * t, d)
@@ -53,22 +71,23 @@ def reference(p: dict, x: np.ndarray, *, groups: int, k: int, cf: float, renorma
     plan, load, dropped = [], np.zeros(n_exp), 0
     for grp in range(groups):
         used = np.zeros(n_exp, int)
-        for i in range(grp * g, (grp + 1) * g):
-            logits = xs[i] @ wr
-            pr = np.exp(logits - logits.max())
-            order = np.argsort(-pr / pr.sum(), kind="stable")[:k]
-            kept = []
-            for e in order:
+        tokens = range(grp * g, (grp + 1) * g)
+        orders, kept = {}, {i: [] for i in tokens}
+        for i in tokens:
+            orders[i] = [int(e) for e in np.argsort(-_scores(xs[i] @ wr, score, np), kind="stable")[:k]]
+        for j in range(k):  # choice rank first, then token order
+            for i in tokens:
+                e = orders[i][j]
                 load[e] += 1
                 if used[e] < cap:
                     used[e] += 1
-                    kept.append(int(e))
+                    kept[i].append(e)
                 else:
                     dropped += 1
-            plan.append((i, [int(e) for e in order], kept))
+        plan += [(i, orders[i], kept[i]) for i in tokens]
     logits = xs @ wr
-    probs = np.exp(logits - logits.max(1, keepdims=True))
-    probs /= probs.sum(1, keepdims=True)
+    probs = _scores(logits, score, np)
+    probs /= probs.sum(1, keepdims=True)  # sigmoid scores: normalised for the balance loss
     f = load / (b * t * k)
     lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
     stats = {"aux_loss": n_exp * np.sum(f * probs.mean(0)), "z_loss": np.mean(lse ** 2),
@@ -78,16 +97,15 @@ def reference(p: dict, x: np.ndarray, *, groups: int, k: int, cf: float, renorma
         xs = x.reshape(b * t, d)
         out = []
         for i, order, kept in plan:
-            z = xs[i] @ p["router"]
-            pr = jnp.exp(z - jnp.max(z))
-            pr = pr / jnp.sum(pr)
-            gates = pr[jnp.array(order)]
+            gates = _scores(xs[i] @ p["router"], score, jnp)[jnp.array(order)]
             if renormalize:
                 gates = gates / jnp.sum(gates)
             y = jnp.zeros(d, x.dtype)
             for j, e in enumerate(order):
                 if e in kept:
                     y = y + gates[j] * _ffn(p, e, xs[i], kind)
+            for sh in range(shared):
+                y = y + _shared(p, sh, xs[i], kind, p["w_out"].shape[1])
             out.append(y)
         return jnp.stack(out).reshape(b, t, d)
 
@@ -99,20 +117,21 @@ def _layer(k=2, cf=1.0, kind="gelu", seed=0, **kw):
 
 
 def _params(m):
-    return {"router": m.router[...], "w_in": m.w_in[...], "w_out": m.w_out[...]}
+    return nnx.to_pure_dict(nnx.state(m))
 
 
 def _run_layer(m, x, ct, mesh_over=None, n_dev=None):
     """``(y, stats, grads of sum(y * ct) wrt (params, x))`` of the layer, on a mesh if asked."""
-    graphdef, _ = nnx.split(m)
+    graphdef, state = nnx.split(m)
     rules = None
     if mesh_over:
         par = load_config(None, mesh_over).parallel
         rules = make_rules(par, make_mesh(par, jax.devices()[:n_dev]))
 
     def f(p, x):
-        mod = nnx.merge(graphdef, nnx.State({"router": nnx.Param(p["router"]), "w_in": nnx.Param(p["w_in"]),
-                                             "w_out": nnx.Param(p["w_out"])}))
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, p)
+        mod = nnx.merge(graphdef, st)
         with use_rules(rules):
             y, stats = mod.apply(x)
         return jnp.sum(y * ct), (y, stats)
@@ -123,8 +142,9 @@ def _run_layer(m, x, ct, mesh_over=None, n_dev=None):
 
 def _reference_run(m, x, ct, groups, **kw):
     p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), _params(m))
+    shared = 0 if m.shared is None else p64["shared"]["down"]["kernel"].shape[0] // p64["w_out"].shape[1]
     fn, stats = reference(p64, np.asarray(x), groups=groups, k=m.top_k, cf=m.capacity_factor, kind=m.kind,
-                          renormalize=m.renormalize, dropless=m.dropless, **kw)
+                          renormalize=m.renormalize, dropless=m.dropless, score=m.score, shared=shared, **kw)
     with jax.enable_x64(True):
         p, xx, c = jax.tree.map(jnp.asarray, p64), jnp.asarray(x, jnp.float64), jnp.asarray(ct, jnp.float64)
         y = fn(p, xx)
@@ -141,6 +161,10 @@ CASES = {  # name: (layer options, mesh overrides, devices, groups = devices spl
     "data2_expert2_tensor2_drop": (dict(k=2, cf=0.6, kind="swiglu"),
                                    ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"], 8, 4),
     "expert4_dropless": (dict(k=3, cf=0.1, dropless=True), ["parallel.expert=4"], 4, 4),
+    # DeepSeek-style: sigmoid scores, 2 shared experts beside the routed ones, tensor-parallel shared MLP
+    "sigmoid_shared2_drop": (dict(k=2, cf=0.6, kind="swiglu", score="sigmoid", shared_experts=2), None, 1, 1),
+    "sigmoid_shared1_data2_expert2_tensor2_no_drop": (dict(k=2, cf=4.0, score="sigmoid", shared_experts=1),
+                                              ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"], 8, 4),
 }
 
 
@@ -159,6 +183,7 @@ def test_layer_matches_per_token_reference(case):
         np.testing.assert_allclose(np.asarray(stats[key]), stats_ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
     if "no_drop" in case or "dropless" in case:
         assert stats_ref["drop_fraction"] == 0
+        assert float(stats["drop_fraction"]) == 0.0  # integer counts: exactly 0, not -3e-8
     else:
         assert stats_ref["drop_fraction"] > 0.05  # the dropping path is exercised
 
@@ -189,6 +214,35 @@ def test_overflow_drops_the_last_tokens_of_the_group(k, keep):
     assert load[2] == 16 and load[1] == (16 if k == 2 else 0)
 
 
+def test_first_choices_take_slots_before_second_choices():
+    """Capacity 1 per expert. Token 0 prefers experts (0, 1), token 1 prefers (1, 2): expert 1's slot
+    goes to token 1's first choice, not to token 0's second choice, which drops (token order would
+    keep token 0's second choice and drop token 1's first)."""
+    from jaxpar.layers.moe import route
+
+    logits = jnp.asarray([[10.0, 5.0, 0.0, 0.0], [0.0, 10.0, 5.0, 0.0]])
+    r = route(logits, 2, 1)
+    assert np.asarray(r.experts).tolist() == [[0, 1], [1, 2]]
+    assert np.asarray(r.keep).tolist() == [[True, False], [True, True]]
+    assert np.asarray(r.slot).tolist() == [[0, 4], [1, 2]]  # expert * C + position; E * C = dropped
+
+
+def test_balance_loss_is_hf_mixtral_over_top_k_for_one_layer():
+    """Hugging Face's load_balancing_loss_func (Mixtral), written out in numpy for one layer's router
+    logits, equals top_k x this layer's aux_loss (the conversion the module docstring states)."""
+    k = 2
+    m = _layer(k=k, cf=4.0)
+    x = np.random.default_rng(3).normal(size=(4, 8, D)).astype(np.float32)
+    _, stats = m.apply(jnp.asarray(x))
+    logits = x.reshape(-1, D).astype(np.float64) @ np.asarray(m.router[...], np.float64)
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    top = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    mask = np.eye(E)[top]                                   # [tokens, k, E]
+    hf = E * np.sum(mask.mean(0) * probs.mean(0)[None, :])  # tokens_per_expert [k, E] x router_prob [E]
+    np.testing.assert_allclose(k * float(stats["aux_loss"]), hf, rtol=1e-5)
+
+
 def test_overflow_on_a_mesh_is_per_device_group():
     """data=2 x expert=2: each device's 4 tokens (one row) form a group with capacity 1 on expert 2,
     so exactly the first token of every row is kept."""
@@ -211,6 +265,10 @@ LAYOUTS = {
     "expert8": ("gpt2", dict(parallel__expert=8)),
     "data2_expert4": ("gpt2", dict(parallel__data=2, parallel__expert=4)),
     "expert2_tensor2_data2": ("llama", dict(parallel__data=2, parallel__expert=2, parallel__tensor=2)),
+    # DeepSeek-style options under Megatron-SP: the layer gathers the sequence over tensor and reduce-scatters
+    "expert2_tensor4_sp_shared_sigmoid": ("llama", dict(parallel__expert=2, parallel__tensor=4,
+                                                        parallel__sequence_parallel=True, moe__shared_experts=1,
+                                                        moe__score="sigmoid")),
 }
 _REF = {}
 
@@ -225,9 +283,11 @@ def test_moe_model_matches_single_device(layout):
     """Capacity factor 4 = E/k: capacity = all tokens of a group, nothing drops, so grouping by
     device does not matter and the loss, router metrics and gradients equal the 1-device run."""
     style, over = LAYOUTS[layout]
-    if style not in _REF:
-        _REF[style] = _loss_grads(config(style, **MOE))
-    ref = _REF[style]
+    model = {k: v for k, v in over.items() if not k.startswith("parallel__")}  # the same model on one device
+    key = (style, tuple(sorted(model.items())))
+    if key not in _REF:
+        _REF[key] = _loss_grads(config(style, **MOE, **model))
+    ref = _REF[key]
     got = _loss_grads(config(style, **MOE, **over))
     assert_trees_close(got[3], ref[3], 0.0, "initial params ")
     assert rel_err(got[0], ref[0]) <= 1e-5
@@ -326,3 +386,32 @@ def test_capacity_formula():
     assert expert_capacity(10, 8, 2, 1.0) == 3           # ceil(2.5)
     assert expert_capacity(16, 8, 2, 100.0) == 16        # never more than the group
     assert expert_capacity(16, 8, 2, 0.01, dropless=True) == 16
+
+
+def test_deepseek_style_config_trains_through_train_py(tmp_path):
+    """configs/deepseek_moe.yaml (fine-grained experts, a shared expert, sigmoid scores) through
+    `python train.py` on 8 simulated devices (data=2 x expert=2 x tensor=2): every token makes top_k
+    assignments per MoE layer, the loss falls, and the shared expert's hidden units are split over tensor."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    over = ["data.source=synthetic", "model.seq_len=32", "train.batch_size=16", "train.steps=6", "train.log_every=1",
+            "train.warmup_steps=1", "sample.tokens=0", "checkpoint.enabled=false", f"train.out_dir={tmp_path}",
+            "debug.dump_hlo=true"]
+    p = subprocess.run([sys.executable, str(root / "train.py"), "--config", str(root / "configs/deepseek_moe.yaml"),
+                        *over], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    cfg = load_config(root / "configs/deepseek_moe.yaml", over)
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 6 and recs[-1]["loss"] < recs[0]["loss"]
+    for r in recs:
+        assert len(r["moe_expert_load"]) == 16
+        assert sum(r["moe_expert_load"]) == pytest.approx(cfg.train.batch_size * cfg.model.seq_len * cfg.moe.top_k)
+    hlo = (tmp_path / "train_step.hlo.txt").read_text()
+    # the shared expert's fused up-projection [d_model, 2, 64] keeps half of its 64 hidden units per device
+    assert "f32[128,2,32]" in hlo

@@ -3,24 +3,42 @@
 Math, for one *group* of ``G`` tokens ``x_t`` (a group is the tokens one device holds):
 
     logits = x W_r                        [G, E]  (float32), probs p = softmax(logits)
+                                          (score=sigmoid: p = sigmoid(logits), DeepSeek-V3)
     (g_tj, e_tj)_{j<k} = top_k(p_t)       gates and expert ids; g_t /= sum_j g_tj if renormalize
     C = min(G, ceil(k G capacity_factor / E))     capacity of each expert (C = G when dropless)
-    pos_tj = #{(s, i) before (t, j) in token-major order (s, then i) with e_si = e_tj}
+    pos_tj = #{(s, i) before (t, j) in choice-major order (i, then s) with e_si = e_tj}
     y_t = sum_j [pos_tj < C] g_tj FFN_{e_tj}(x_t)
     FFN_e(x) = gelu(x W1_e) W2_e   or   (silu(x Wg_e) * (x Wu_e)) W2_e          (no biases)
+    out_t = y_t + sum_{s<S} FFN^shared_s(x_t)     S = shared_experts always-on experts (DeepSeek-MoE),
+                                                  run as one dense MLP of width S*d_ff (Megatron TP)
+
+Fine-grained experts (DeepSeek-MoE) are many small experts: a larger ``n_experts`` and ``top_k``
+with a smaller ``d_ff``; nothing else changes.
 
 An assignment beyond an expert's capacity is *dropped*: its term is 0, so a token all of whose
-assignments are dropped passes through the block's residual unchanged. The first assignments in
-token order are kept. Because capacity is per group, the result depends on the grouping (the mesh)
-only when something is dropped; with enough capacity (or ``dropless``) every mesh computes the
-same function as one device.
+assignments are dropped passes through the block's residual unchanged. Slots go by choice rank, as
+in GShard and Switch: every token's first choice before any token's second choice (so a second
+choice never takes the slot of a later token's first choice), and within a rank in token order.
+Because capacity is per group, the result depends on the grouping (the mesh) only when something
+is dropped; with enough capacity (or ``dropless``) every mesh computes the same function as one
+device.
 
 Auxiliary losses, computed over the *whole* batch (group statistics averaged over the token-
 splitting mesh axes, so they are the same on every mesh):
 
     balance = E sum_i f_i P_i    f_i = share of the k*N assignments routed to expert i (before
                                  dropping; no gradient), P_i = mean_t p_ti      (Switch; 1 = uniform)
+                                 (sigmoid scores: p_t normalised to sum 1 for P, as in DeepSeek-V3)
     z       = mean_t (logsumexp_i logits_ti)^2                                 (ST-MoE router z-loss)
+    drop_fraction = dropped assignments / (k*N), from integer counts (exactly 0 when none drop)
+
+The model sums ``balance`` over its MoE layers (``moe.aux_loss_weight`` weighs the sum).
+Hugging Face's ``load_balancing_loss_func`` (Mixtral) differs in two ways: its ``f`` counts each
+choice rank separately and sums them, which is ``top_k`` times ours, and it pools the tokens of all
+layers into one term instead of summing per-layer terms. For one layer, HF = ``top_k`` x balance
+(tested); at uniform routing HF = ``top_k`` and the sum here = the number of MoE layers L. A
+Mixtral ``router_aux_loss_coef`` c therefore corresponds to ``moe.aux_loss_weight`` = c * top_k / L
+(exact for L = 1, at balance for any L).
 
 Communication (inside ``jax.shard_map``, manual over the axes that split tokens: ``batch`` and
 ``length`` rules, e.g. ``data``, ``expert``, ``seq``; over the ``experts`` axis; and over the
@@ -33,7 +51,9 @@ Communication (inside ``jax.shard_map``, manual over the axes that split tokens:
    hidden units over ``tensor``);
 4. a second all-to-all returns the results ``[E, C, d_model]``; each token gathers its k slots and
    sums them with its gates; under tensor parallelism one psum over ``tensor`` of ``[G, d_model]``
-   completes the row-parallel down-projection (Megatron).
+   completes the row-parallel down-projection (Megatron). Under Megatron-SP (the residual stream is
+   split along the sequence over ``tensor``) the layer all-gathers the sequence over ``tensor`` on
+   entry and reduce-scatters ``y`` back along it (``psum_scatter``): half the psum's bytes.
 
 Each all-to-all moves ``E*C*d_model ~= k*G*capacity_factor*d_model`` elements per device and
 direction (forward and backward each do two). Tokens stay on their data/expert device otherwise;
@@ -54,6 +74,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.layers.mlp import MLP
 from jaxpar.partitioning import active_rules, param
 
 
@@ -76,15 +97,21 @@ class Routing(NamedTuple):
     counts: jax.Array   # [E] assignments routed to each expert (before dropping)
 
 
-def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True) -> Routing:
-    """Softmax, top-k, and the capacity positions in token-major order (token t's choices before t+1's)."""
+SCORES = ("softmax", "sigmoid")
+
+
+def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True, score: str = "softmax") -> Routing:
+    """Scores (softmax, or sigmoid per expert), top-k, and the capacity positions by choice rank: all
+    first choices (in token order) before any second choice, and so on."""
     g, e = logits.shape
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    logits = logits.astype(jnp.float32)
+    probs = jax.nn.sigmoid(logits) if score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [G, k, E]
-    before = jnp.cumsum(onehot.reshape(g * top_k, e), axis=0).reshape(g, top_k, e) - 1
+    by_rank = jnp.swapaxes(onehot, 0, 1).reshape(top_k * g, e)              # [k*G, E], rank-major
+    before = jnp.swapaxes((jnp.cumsum(by_rank, axis=0) - 1).reshape(top_k, g, e), 0, 1)
     pos = jnp.sum(before * onehot, axis=-1)                                   # [G, k]
     keep = pos < capacity
     slot = jnp.where(keep, experts * capacity + pos, e * capacity)
@@ -95,6 +122,7 @@ class _Axes(NamedTuple):
     tokens: tuple = ()   # mesh axes splitting the tokens (groups)
     expert: tuple = ()   # mesh axes splitting the experts (a subset of tokens)
     tensor: tuple = ()   # mesh axes splitting the expert hidden units
+    sp: tuple = ()       # tensor axes that also split the sequence outside the layer (Megatron-SP)
 
 
 def _entry(axes: tuple):
@@ -108,21 +136,32 @@ class MoE(nnx.Module):
     assignments) and ``expert_load`` ``[E]`` (assignments routed to each expert over the whole
     batch). Parameters: ``router [embed, router]`` (E columns, replicated), ``w_in [experts, expert_embed, (2,) mlp]``,
     ``w_out [experts, mlp, expert_embed]`` (``expert_embed``: the embed dim of an expert weight, which ZeRO
-    splits over the batch axes other than ``expert``).
+    splits over the batch axes other than ``expert``), and with ``shared_experts`` > 0 ``shared``, an
+    :class:`~jaxpar.layers.MLP` of width ``shared_experts * d_ff`` outside the routing (tensor-parallel
+    like the dense MLP). ``score``: ``softmax`` or ``sigmoid`` router scores.
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
                  dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
-                 out_init_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"unknown expert kind {kind!r}; choose gelu or swiglu")
+        if score not in SCORES:
+            raise ConfigError(f"moe.score={score!r} is not a valid choice; choose one of {', '.join(SCORES)}")
+        if shared_experts < 0:
+            raise ConfigError(f"moe.shared_experts={shared_experts} must be >= 0")
         if not 1 <= top_k <= n_experts:
             raise ConfigError(f"moe.top_k={top_k} must be between 1 and moe.n_experts={n_experts}")
         if not dropless and not capacity_factor > 0:
             raise ConfigError(f"moe.capacity_factor={capacity_factor} must be > 0")
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
-        self.dtype = dtype
+        self.score, self.dtype = score, dtype
+        # always-on experts: one dense MLP of width S * d_ff (the sum of S experts' outputs), no biases
+        self.shared = (MLP(d_model, shared_experts * d_ff, kind=kind, use_bias=False, init_std=init_std,
+                           out_init_std=out_init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                       if shared_experts else None)
         init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
         self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", "router"))
         if kind == "swiglu":
@@ -141,6 +180,12 @@ class MoE(nnx.Module):
     # -- placement ----------------------------------------------------------------------------
     def apply(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """``x [B, T, d_model]`` -> ``(y [B, T, d_model], stats)``; distributed under active rules."""
+        y, stats = self._routed(x)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, stats
+
+    def _routed(self, x: jax.Array) -> tuple[jax.Array, dict]:
         weights = (self.router[...], self.w_in[...], self.w_out[...])
         rules = active_rules()
         mesh = None if rules is None else rules.mesh
@@ -154,13 +199,14 @@ class MoE(nnx.Module):
         if not set(expert) <= set(batch + length):
             raise ConfigError(f"expert parallelism needs the experts axes {expert} to split the tokens too "
                               f"(the batch rule maps to {batch})")
-        ax = _Axes(batch + length, expert, tensor)
+        sp = tuple(a for a in big(rules.params.axes("res_length")) if a in tensor)
+        ax = _Axes(batch + length, expert, tensor, sp)
         manual = set(ax.tokens) | set(expert) | set(tensor)
         if manual and mesh.shape["pipe"] > 1:  # inside the pipeline's vmap over stages (spmd axis `pipe`)
             manual.add("pipe")
         if not manual:
             return self._local(x, *weights, ax=ax)
-        x_spec = P(_entry(batch), _entry(length))
+        x_spec = P(_entry(batch), _entry(length + sp))  # Megatron-SP: sequence-split over tensor too
         w_specs = tuple(rules.compute.spec(n, w.shape, "MoE weight")
                         for n, w in zip((("embed", "router"), self.in_axes, self.out_axes), weights))
         stats_spec = {k: P() for k in ("aux_loss", "z_loss", "drop_fraction", "expert_load")}
@@ -170,17 +216,20 @@ class MoE(nnx.Module):
 
     # -- one device's work --------------------------------------------------------------------
     def _local(self, x, w_router, w_in, w_out, *, ax: _Axes):
+        if ax.sp:  # Megatron-SP: the sequence gathered over tensor here (its transpose: a reduce-scatter)
+            x = jax.lax.all_gather(x, ax.sp, axis=1, tiled=True)
         b, t, d = x.shape
         g, e, k = b * t, self.n_experts, self.top_k
         cap = expert_capacity(g, e, k, self.capacity_factor, self.dropless)
         xt = x.reshape(g, d)
         logits = jnp.einsum("gd,de->ge", xt.astype(jnp.float32), w_router.astype(jnp.float32))
-        r = route(logits, k, cap, self.renormalize)
+        r = route(logits, k, cap, self.renormalize, self.score)
         # dispatch: every kept assignment copies its token into its expert's slot (dropped: index E*C, discarded)
         tokens = xt.astype(self.dtype)
-        if ax.tensor:
+        if ax.tensor and not ax.sp:
             # the dispatched tokens as every tensor rank's own copy: the backward then sums their gradient
             # over tensor on [tokens, d_model] here, not on the capacity-padded (larger) dispatch buffer
+            # (under Megatron-SP the all-gather above already makes them per-rank copies)
             tokens = jax.lax.pcast(tokens, ax.tensor, to="varying")
         rows = jnp.broadcast_to(tokens[:, None, :], (g, k, d))
         buf = jnp.zeros((e * cap, d), self.dtype).at[r.slot].add(rows, mode="drop").reshape(e, cap, d)
@@ -193,9 +242,12 @@ class MoE(nnx.Module):
         picked = jnp.take(out.reshape(e * cap, d), r.slot, axis=0, mode="fill", fill_value=0)
         weights = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
         y = jnp.einsum("gkd,gk->gd", picked, weights)
-        if ax.tensor:  # the row-parallel down-projection's partial sums
+        y = y.reshape(b, t, d)
+        if ax.sp:  # the row-parallel partial sums, reduced and split over the sequence again
+            y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
+        elif ax.tensor:  # the row-parallel down-projection's partial sums
             y = jax.lax.psum(y, ax.tensor)
-        return y.reshape(b, t, d).astype(x.dtype), self._stats(logits, r, ax.tokens)
+        return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
 
     def _experts(self, buf, w_in, w_out):
         """``buf [E_local, N, d]`` through each local expert's FFN (remat names ``mlp_up``, ``mlp_down``)."""
@@ -203,14 +255,24 @@ class MoE(nnx.Module):
         h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if self.kind == "swiglu" else jax.nn.gelu(h, approximate=True)
         return checkpoint_name(jnp.einsum("enf,efd->end", h, w_out.astype(self.dtype)), "mlp_down")
 
-    def _stats(self, logits, r: Routing, token_axes: tuple) -> dict:
+    def _stats(self, logits, r: Routing, token_axes: tuple, copies: tuple = ()) -> dict:
+        """Batch statistics: averaged / summed over the groups (``token_axes``); ``copies``: axes whose
+        devices routed the same tokens (equal values, reduced only to make them invariant)."""
         g, e, k = logits.shape[0], self.n_experts, self.top_k
-        mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else (lambda v: v)
-        total = (lambda v: jax.lax.psum(v, token_axes)) if token_axes else (lambda v: v)
+        over = token_axes + copies
+        mean = (lambda v: jax.lax.pmean(v, over)) if over else (lambda v: v)
+
+        def total(v):
+            v = jax.lax.psum(v, token_axes) if token_axes else v
+            return jax.lax.pmax(v, copies) if copies else v
+
         counts = r.counts.astype(jnp.float32)
         f = jax.lax.stop_gradient(mean(counts / (g * k)))
-        p_mean = mean(jnp.mean(r.probs, axis=0))
+        probs = r.probs / jnp.sum(r.probs, axis=-1, keepdims=True) if self.score == "sigmoid" else r.probs
+        p_mean = mean(jnp.mean(probs, axis=0))
         z = mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))))
-        dropped = mean(1.0 - jnp.mean(r.keep.astype(jnp.float32)))
-        return {"aux_loss": e * jnp.sum(f * p_mean), "z_loss": z, "drop_fraction": dropped,
+        dropped = total(jnp.sum(~r.keep, dtype=jnp.int32))         # integer counts: exactly 0 when none drop
+        assignments = total(jnp.int32(g * k))
+        return {"aux_loss": e * jnp.sum(f * p_mean), "z_loss": z,
+                "drop_fraction": dropped.astype(jnp.float32) / assignments.astype(jnp.float32),
                 "expert_load": total(counts)}
