@@ -264,8 +264,10 @@ LAYOUTS = {
     "expert4": ("gpt2", dict(parallel__expert=4)),
     "expert8": ("gpt2", dict(parallel__expert=8)),
     "data2_expert4": ("gpt2", dict(parallel__data=2, parallel__expert=4)),
-    "expert2_tensor2_data2": ("llama", dict(parallel__data=2, parallel__expert=2, parallel__tensor=2)),
-    # DeepSeek-style options under Megatron-SP: the layer gathers the sequence over tensor and reduce-scatters
+    # llama: DeepSeek-style options (a shared expert, sigmoid scores); under Megatron-SP the layer gathers the
+    # sequence over tensor and reduce-scatters its output
+    "expert2_tensor2_data2_shared_sigmoid": ("llama", dict(parallel__data=2, parallel__expert=2, parallel__tensor=2,
+                                                           moe__shared_experts=1, moe__score="sigmoid")),
     "expert2_tensor4_sp_shared_sigmoid": ("llama", dict(parallel__expert=2, parallel__tensor=4,
                                                         parallel__sequence_parallel=True, moe__shared_experts=1,
                                                         moe__score="sigmoid")),
