@@ -12,6 +12,7 @@ Markdown table (the README's key reference is generated from it, so it cannot dr
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import types
 import typing
@@ -36,6 +37,8 @@ class Range:
     hi_open: bool = False
 
     def __contains__(self, v) -> bool:
+        if not math.isfinite(v):  # nan fails every comparison below; inf is no setting
+            return False
         if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
             return False
         return not (self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)))
@@ -397,11 +400,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            raise ConfigError(f"config file {str(p)!r} " + ("is a folder; name a .yaml file in it" if p.is_dir()
+                                                            else "does not exist"))
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        except yaml.YAMLError as e:  # one line: where and what
+            mark = getattr(e, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML ({where}{what})") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read ({e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
         tree = loaded
@@ -421,7 +430,8 @@ def check_ranges(cfg: Config) -> None:
             rng = f.metadata.get("range")
             v = getattr(section, f.name)
             if rng is not None and v is not None and v not in rng:
-                raise ConfigError(f"{sec.name}.{f.name}={v!r} is out of range: it must be {rng}"
+                raise ConfigError(f"{sec.name}.{f.name}={v!r} is out of range: it must be "
+                                  + ("a finite number " if not math.isfinite(v) else "") + f"{rng}"
                                   + (f" ({f.metadata['help']})" if "=" not in str(rng) and len(f.metadata["help"]) < 90
                                      else ""))
 

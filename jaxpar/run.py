@@ -50,7 +50,7 @@ import yaml
 from jaxpar import flops
 from jaxpar import mesh as meshlib
 from jaxpar.checkpoint import CheckpointError, Checkpointer, config_changes
-from jaxpar.config import Config
+from jaxpar.config import Config, ConfigError
 from jaxpar.data.sources import make_source
 from jaxpar.lock import RunLock
 from jaxpar.trainer import Trainer
@@ -181,10 +181,16 @@ class _StartUp:
             self.make(out)
             self.lock.acquire()
 
-    def make(self, directory: Path) -> None:
-        """Create ``directory`` (and parents), remembering what was new."""
+    def make(self, directory: Path, key: str = "train.out_dir") -> None:
+        """Create ``directory`` (and parents), remembering what was new; a ConfigError naming ``key``
+        when it cannot be created."""
         missing = [d for d in [directory, *directory.parents] if not d.exists()]
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.created.extend(d for d in missing if d.exists())
+            raise ConfigError(f"{key}={str(directory)!r}: cannot create the directory "
+                              f"({e.strerror or type(e).__name__}: {e.filename or directory})") from None
         self.created.extend(missing)  # deepest first
 
     def undo(self) -> None:
@@ -241,7 +247,7 @@ def open_checkpoints(cfg: Config, log, start_up: _StartUp | None = None) -> tupl
         return None, None
     directory = ck.dir or Path(cfg.train.out_dir) / "checkpoints"
     if start_up is not None and "://" not in str(directory) and jax.process_index() == 0:
-        start_up.make(Path(directory))
+        start_up.make(Path(directory), "checkpoint.dir" if ck.dir else "train.out_dir")
     ckpt = Checkpointer(directory, keep=ck.keep, async_save=ck.async_save)
     steps = ckpt.steps()
     error = None
@@ -264,7 +270,18 @@ def restore_state(cfg: Config, trainer: Trainer, ckpt: Checkpointer, step: int, 
     if int(state["step"]) != step:
         raise CheckpointError(f"checkpoint {ckpt.path(step)} holds step {int(state['step'])}, not {step}; it was "
                               "left as is")
-    source.restore(data_state)
+    saved = meta.get("config", {}).get("data", {}).get("source")
+    if saved is not None and saved != cfg.data.source:
+        raise CheckpointError(f"checkpoint {ckpt.path(step)} was saved training on data.source={saved}, and this run "
+                              f"has data.source={cfg.data.source}: its data position does not apply; resume with "
+                              f"data.source={saved}, or choose another train.out_dir (the checkpoint was left as is)")
+    try:
+        source.restore(data_state)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise CheckpointError(f"checkpoint {ckpt.path(step)} holds a data position this run cannot use "
+                              f"({type(e).__name__}: {e}); it was left as is") from None
     changed = config_changes(meta.get("config", {}), cfg.to_dict())
     saved_mesh = {k: v for k, v in meta.get("config", {}).get("parallel", {}).items()
                   if k in meshlib.AXES and v != 1}

@@ -395,6 +395,11 @@ LOCKED = "lock held by a live process"
     (["model.d_model=32", f"train.steps={STEPS + 3}"], {}, 1, "belongs to another model"),  # a refused resume
     ([], {"JAX_PLATFORMS": "cuda"}, 1, "JAX could not start its backend ("),
     (LOCKED, {}, 1, "is in use by process"),
+    (["train.lr=nan"], {}, 2, "train.lr=nan is out of range: it must be a finite number > 0"),
+    (["--config", "{tmp}/broken.yaml"], {}, 2, "broken.yaml' is not valid YAML (line 2, column 1: expected"),
+    (["checkpoint.dir=/proc/no/such/dir"], {}, 2, "checkpoint.dir='/proc/no/such/dir': cannot create the directory"),
+    (["data.source=shakespeare", "data.tokenizer=byte"], {}, 1, "was saved training on data.source=synthetic, and this run has "
+                                         "data.source=shakespeare: its data position does not apply"),
 ], ids=lambda v: None if isinstance(v, (int, dict)) else v if isinstance(v, str) else " ".join(v) or None)
 def test_cli_errors_are_one_line_and_leave_the_run_untouched(tmp_path, reference_run, args, env, status, needle):
     """Bad input against an existing run directory: one `error:` line on stderr, exit 2 for a config
@@ -404,10 +409,12 @@ def test_cli_errors_are_one_line_and_leave_the_run_untouched(tmp_path, reference
 
     out = tmp_path / "run"
     shutil.copytree(reference_run, out)
+    (tmp_path / "broken.yaml").write_text("model: [1, 2\n")
     if args == LOCKED:  # held by this (live) pytest process
         (out / ".jaxpar.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"}))
         args = []
     before = _snapshot(out)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), *ARGS, f"train.out_dir={out}", *args],
                        capture_output=True, text=True, env={**_env(), **env}, cwd=ROOT, timeout=300)
     assert p.returncode == status, p.stderr[-3000:]
