@@ -256,7 +256,9 @@ def main(argv=None) -> int:
         try:
             r = run_case(case, args)
         except Exception as e:  # noqa: BLE001 - out of device memory: one line, the cases so far are printed
-            if "RESOURCE_EXHAUSTED" not in str(e):
+            from jaxpar.run import is_out_of_memory
+
+            if not is_out_of_memory(e):
                 raise
             print(f"error: {case}: out of device memory ({str(e).strip().splitlines()[0][:200]}); run a smaller "
                   "case (--preset cpu on a CPU host) or add remat / parallel.* keys to the case", file=sys.stderr)

@@ -43,7 +43,7 @@ class RunLock:
 
     def acquire(self) -> None:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
+        while True:  # each pass acquires, raises, or removes a stale lock
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:

@@ -215,12 +215,14 @@ class _OutOfMemoryAsError:
         return self
 
     def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, jax.errors.JaxRuntimeError) and _is_out_of_memory(e):
+        if kind is not None and issubclass(kind, jax.errors.JaxRuntimeError) and is_out_of_memory(e):
             raise TrainingError(out_of_memory_message(e, self.trainer.mesh.devices.flat[0], self.report)) from None
         return False
 
 
-def _is_out_of_memory(e: Exception) -> bool:
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether a JAX runtime error is the device running out of memory (``RESOURCE_EXHAUSTED`` on
+    GPU/TPU; XLA:CPU says "Out of memory allocating ...")."""
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
@@ -277,9 +279,9 @@ def restore_state(cfg: Config, trainer: Trainer, ckpt: Checkpointer, step: int, 
                               f"data.source={saved}, or choose another train.out_dir (the checkpoint was left as is)")
     try:
         source.restore(data_state)
+    except ConfigError:  # the data, seq_len, batch size or seed changed: says which
+        raise
     except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
         raise CheckpointError(f"checkpoint {ckpt.path(step)} holds a data position this run cannot use "
                               f"({type(e).__name__}: {e}); it was left as is") from None
     changed = config_changes(meta.get("config", {}), cfg.to_dict())
@@ -386,7 +388,7 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
         if source.val:
             val = evaluate(state["params"])
     current, preempted = [start], None  # the step in progress, for the watchdog's message
-    preemption, watchdog = _Preemption(log), Watchdog(cfg.train.step_timeout, _hang_exit(cfg, ckpt, current))
+    preemption, watchdog = _Preemption(), Watchdog(cfg.train.step_timeout, _hang_exit(cfg, ckpt, current))
     try:
         with bar:
             task = bar.add_task("train", total=steps, completed=start, loss="-", tps="-")
@@ -488,11 +490,11 @@ class _Preemption:
     (a Ctrl-C is passed to it as a SIGTERM to this process) and lets every process agree on the
     same step to stop at (``reached_preemption_sync_point``)."""
 
-    def __init__(self, log=print):
+    def __init__(self):
         import signal
         import threading
 
-        self.flag, self.signal_name, self.previous, self.log = False, None, {}, log
+        self.flag, self.signal_name, self.previous = False, None, {}
         self.multi = jax.process_count() > 1
         if threading.current_thread() is threading.main_thread():
             if not self.multi:

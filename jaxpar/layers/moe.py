@@ -272,7 +272,7 @@ class MoE(nnx.Module):
         p_mean = mean(jnp.mean(probs, axis=0))
         z = mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))))
         dropped = total(jnp.sum(~r.keep, dtype=jnp.int32))         # integer counts: exactly 0 when none drop
-        assignments = total(jnp.int32(g * k))
+        assignments = g * k * (jax.lax.psum(1, token_axes) if token_axes else 1)  # static: the group count
         return {"aux_loss": e * jnp.sum(f * p_mean), "z_loss": z,
-                "drop_fraction": dropped.astype(jnp.float32) / assignments.astype(jnp.float32),
+                "drop_fraction": dropped.astype(jnp.float32) / assignments,
                 "expert_load": total(counts)}
