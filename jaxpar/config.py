@@ -183,14 +183,20 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = _f("synthetic", "Training tokens: synthetic (a learnable function of seed and step), "
-                                  "shakespeare (built-in corpus), or files (data.path).",
-                     ("synthetic", "shakespeare", "files"))
-    path: str = _f("", "With source=files: a text file, a glob, or a folder of .txt/.md/.json/.jsonl files.")
+                                  "shakespeare (built-in corpus), files (data.path, tokenised at start, cached), or "
+                                  "tokens (a token store made by python -m jaxpar.data.prepare).",
+                     ("synthetic", "shakespeare", "files", "tokens"))
+    path: str = _f("", "With source=files: a text file, a glob, or a folder of .txt/.md/.json/.jsonl/.parquet files; "
+                       "with source=tokens: the token store's folder.")
+    mix: str = _f("", "With source=tokens, instead of data.path: weighted token stores 'PATH:W,PATH:W'; every global "
+                      "batch holds W/sum(W) of its rows from each (rounded by largest remainder).")
+    prefetch: int = _f(2, "Batches of a text or token source gathered ahead in a background thread (0 = in the loop).",
+                       range=NONNEGATIVE)
     jsonl_field: str = _f("text", "Field holding the document in .jsonl / .json records.")
     tokenizer: str = _f("bpe", "bpe (byte-level BPE trained on the training text, vocab model.vocab_size, "
                                "cached), byte (raw UTF-8 bytes), or the path of a tokenizer.json.")
-    cache_dir: str = _f("", "Where trained tokenizers are cached; empty = beside the data "
-                            "(~/.cache/jaxpar for the built-in corpus).")
+    cache_dir: str = _f("", "Where trained tokenizers and the token stores of source=shakespeare/files are cached; "
+                            "empty = beside the data (~/.cache/jaxpar for the built-in corpus).")
     val_fraction: float = _f(0.05, "Fraction of the text (its end) held out for validation.", range=Range(0, 0.5, lo_open=True))
 
 
@@ -466,6 +472,12 @@ def validate(cfg: Config) -> None:
     d = cfg.data
     if d.source == "files" and not d.path:
         raise ConfigError("data.source=files needs data.path (a file, glob or folder)")
+    if d.source == "tokens" and not (d.path or d.mix):
+        raise ConfigError("data.source=tokens needs data.path (a token store folder) or data.mix")
+    if d.mix and d.source != "tokens":
+        raise ConfigError(f"data.mix mixes token stores: it needs data.source=tokens (got data.source={d.source})")
+    if d.mix and d.path:
+        raise ConfigError("data.mix and data.path both name the data; give one (data.mix lists every store)")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     ds = cfg.distributed

