@@ -103,7 +103,8 @@ def main() -> int:
     res["checkpoint_bytes"] = sum(f.stat().st_size for f in (out / "sync" / "1").rglob("*") if f.is_file())
 
     ck = Checkpointer(out / "sync")
-    for name, par in (("restore_same_mesh", {}), ("restore_other_mesh", {"parallel.data": n // 2, "parallel.tensor": 2})):
+    for name, par in (("restore_same_mesh", {}),
+                      ("restore_other_mesh", {"parallel.data": n // 2, "parallel.tensor": 2})):
         c2 = load_config(None, {**over, **par})
         t2 = Trainer(c2, mesh=make_mesh(c2.parallel))
         t0 = time.perf_counter()

@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     val_fraction = max(0.005, min(0.5, 4 * 32 * 129 / args.tokens))  # at least 4 validation batches
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "jaxpar.data.prepare", str(work / "corpus"), "--out", str(store),
-                        "--vocab-size", "8192", "--bpe-sample-mb", str(args.bpe_sample_mb), "--val-fraction", str(val_fraction)],
+                        "--vocab-size", "8192", "--bpe-sample-mb", str(args.bpe_sample_mb),
+                        "--val-fraction", str(val_fraction)],
                        capture_output=True, text=True, cwd=ROOT, env=env)
     prep_s = time.perf_counter() - t
     if p.returncode:
@@ -132,9 +133,10 @@ def main(argv=None) -> int:
     procs = [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
     out = work / "step-run"
-    q = subprocess.run([sys.executable, str(ROOT / "train.py"), "data.source=synthetic", f"train.steps={args.step_steps}",
-                        "train.log_every=1", "train.eval_every=0", "sample.tokens=0", "checkpoint.every=0",
-                        f"train.out_dir={out}"], capture_output=True, text=True, cwd=ROOT, env=env)
+    q = subprocess.run([sys.executable, str(ROOT / "train.py"), "data.source=synthetic",
+                        f"train.steps={args.step_steps}", "train.log_every=1", "train.eval_every=0", "sample.tokens=0",
+                        "checkpoint.every=0", f"train.out_dir={out}"],
+                       capture_output=True, text=True, cwd=ROOT, env=env)
     if q.returncode:
         print(q.stdout[-3000:] + q.stderr[-3000:], file=sys.stderr)
         return 1

@@ -42,7 +42,8 @@ PRESETS = {
             "configs/llama_1b.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,"
             "train.grad_accum=1,model.remat=full"],
     # tiny shapes for a CPU (the test suite runs these)
-    "cpu": ["configs/default.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,model.seq_len=64",
+    "cpu": ["configs/default.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,"
+            "model.seq_len=64",
             "configs/default.yaml:model.style=llama,model.n_kv_heads=2,parallel.data=1,parallel.tensor=1,"
             "parallel.zero=0,train.batch_size=8,model.seq_len=64,model.remat=full"],
 }

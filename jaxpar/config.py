@@ -78,14 +78,17 @@ class ParallelConfig:
     seq_zigzag: bool = _f(True, "Zig-zag sequence layout for ring attention (balances causal work).")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms/residuals split along the sequence "
                                         "over `tensor` (needs tensor > 1).")
-    microbatches: int = _f(0, "Pipeline microbatches M per (grad-accum) step; 0 = parallel.pipe. Needs M >= pipe.", range=NONNEGATIVE)
-    pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).", range=POSITIVE)
+    microbatches: int = _f(0, "Pipeline microbatches M per (grad-accum) step; 0 = parallel.pipe. Needs M >= pipe.",
+                           range=NONNEGATIVE)
+    pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).",
+                               range=POSITIVE)
     zero: int = _f(0, "ZeRO stage over the axes that split the batch (data, expert, seq): 0 replicated, 1 optimizer "
                       "state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
-    max_replicated_fraction: float = _f(1.0, "Refuse a layout whose per-device parameter + optimizer bytes are more than "
-                                              "this fraction replicas (beyond an even split over all devices; data "
-                                              "parallelism without ZeRO over N devices: 1 - 1/N); 1 = no limit.", range=FRACTION)
+    max_replicated_fraction: float = _f(1.0, "Refuse a layout whose per-device parameter + optimizer bytes are more "
+                                             "than this fraction replicas (beyond an even split over all devices; data "
+                                             "parallelism without ZeRO over N devices: 1 - 1/N); 1 = no limit.",
+                                        range=FRACTION)
     cpu_devices: int = _f(0, "Simulated XLA CPU devices per process when no accelerator is present; 0 = the mesh "
                              "size divided by the number of processes.", range=NONNEGATIVE)
 
@@ -102,8 +105,10 @@ class ModelConfig:
     n_heads: int = _f(4, "Query heads.", range=POSITIVE)
     n_kv_heads: int = _f(0, "Key/value heads (GQA); 0 = n_heads.", range=NONNEGATIVE)
     head_dim: int = _f(0, "Width of one head; 0 = d_model / n_heads.", range=NONNEGATIVE)
-    d_ff: int = _f(0, "MLP hidden width; 0 = 4*d_model (gelu) or the Llama rule 8/3*d_model rounded to 64 (swiglu).", range=NONNEGATIVE)
-    vocab_size: int = _f(256, "Vocabulary size (padded internally to a multiple of vocab_multiple; pad masked).", range=POSITIVE)
+    d_ff: int = _f(0, "MLP hidden width; 0 = 4*d_model (gelu) or the Llama rule 8/3*d_model rounded to 64 (swiglu).",
+                   range=NONNEGATIVE)
+    vocab_size: int = _f(256, "Vocabulary size (padded internally to a multiple of vocab_multiple; pad masked).",
+                         range=POSITIVE)
     vocab_multiple: int = _f(128, "Pad the vocabulary to a multiple of this (and of `tensor`).", range=POSITIVE)
     seq_len: int = _f(128, "Tokens per training sequence.", range=POSITIVE)
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
@@ -113,18 +118,20 @@ class ModelConfig:
     bias: bool | None = _f(None, "Biases in linear layers and norms (default from style).")
     norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.", range=ABOVE_ZERO)
     rope_theta: float = _f(10000.0, "RoPE base frequency.", range=ABOVE_ZERO)
-    init_std: float = _f(0.02, "Std of the normal initialiser (residual projections scaled by 1/sqrt(2*n_layers)).", range=ABOVE_ZERO)
-    remat: str = _f("none", "Rematerialisation policy of each block (what it keeps for the backward): none (everything), "
-                            "save_dots (the weight-matmul and attention outputs; minimal is MaxText's name for it), "
-                            "save_dots_except_mlp, save_qkv_proj, full (only the block input), offload (as save_dots, "
-                            "in pinned host memory; GPU/TPU). See the README's Performance section.",
+    init_std: float = _f(0.02, "Std of the normal initialiser (residual projections scaled by 1/sqrt(2*n_layers)).",
+                         range=ABOVE_ZERO)
+    remat: str = _f("none", "Rematerialisation policy of each block (what it keeps for the backward): none "
+                            "(everything), save_dots (the weight-matmul and attention outputs; minimal is MaxText's "
+                            "name for it), save_dots_except_mlp, save_qkv_proj, full (only the block input), offload "
+                            "(as save_dots, in pinned host memory; GPU/TPU). See the README's Performance section.",
                     ("none", "full", "save_dots", "minimal", "save_dots_except_mlp", "save_qkv_proj", "offload"))
     attention: str = _f("auto", "Attention kernel: auto (cudnn on GPU, pallas on TPU, xla on CPU, and xla where the "
                                 "kernel does not fit), xla (reference, float32 scores), cudnn (cuDNN flash attention, "
                                 "GPU, bfloat16), pallas (Pallas flash kernels: TPU splash attention, GPU Triton).",
                         ("auto", "xla", "cudnn", "pallas"))
-    loss_chunk_tokens: int = _f(4096, "The head and cross-entropy run over chunks of at most this many tokens per device, "
-                                      "so the float32 logits of the whole batch never exist; 0 = one chunk.", range=NONNEGATIVE)
+    loss_chunk_tokens: int = _f(4096, "The head and cross-entropy run over chunks of at most this many tokens per "
+                                      "device, so the float32 logits of the whole batch never exist; 0 = one chunk.",
+                                range=NONNEGATIVE)
     param_dtype: str = _f("float32", "Dtype parameters are stored in.", ("float32", "bfloat16"))
     compute_dtype: str = _f("auto", "Dtype of matmuls: auto = float32 on CPU, bfloat16 on GPU/TPU.",
                             ("auto", "float32", "bfloat16"))
@@ -171,11 +178,12 @@ class TrainConfig:
     step_timeout: int = _f(1800, "Seconds without training progress (a step, or an evaluation or save between steps) "
                                  "after which the run is taken to hang, e.g. on a stuck peer process, and stops with "
                                  "an error; 0 = no limit.", range=NONNEGATIVE)
-    peak_tflops: float = _f(0.0, "Dense bf16 peak TFLOP/s of one device, for MFU; 0 = from the device kind (H100/H200 989, "
-                                 "A100 312, TPU v4 275, v5e 197, v5p 459, v6e 918; none on CPU: no MFU).", range=NONNEGATIVE)
-    xla_perf_options: bool = _f(True, "Compile the train step with jaxpar's XLA performance options on GPU (latency-hiding "
-                                      "scheduler, collective combining and pipelining; see README). A flag set in "
-                                      "XLA_FLAGS overrides the same option.")
+    peak_tflops: float = _f(0.0, "Dense bf16 peak TFLOP/s of one device, for MFU; 0 = from the device kind "
+                                 "(H100/H200 989, A100 312, TPU v4 275, v5e 197, v5p 459, v6e 918; none on CPU: no "
+                                 "MFU).", range=NONNEGATIVE)
+    xla_perf_options: bool = _f(True, "Compile the train step with jaxpar's XLA performance options on GPU "
+                                      "(latency-hiding scheduler, collective combining and pipelining; see README). "
+                                      "A flag set in XLA_FLAGS overrides the same option.")
     max_bad_steps: int = _f(5, "A step whose loss or gradients are not finite is skipped (no update); after this "
                                "many consecutive skipped steps the run stops with an error.", range=POSITIVE)
 
@@ -197,7 +205,8 @@ class DataConfig:
                                "cached), byte (raw UTF-8 bytes), or the path of a tokenizer.json.")
     cache_dir: str = _f("", "Where trained tokenizers and the token stores of source=shakespeare/files are cached; "
                             "empty = beside the data (~/.cache/jaxpar for the built-in corpus).")
-    val_fraction: float = _f(0.05, "Fraction of the text (its end) held out for validation.", range=Range(0, 0.5, lo_open=True))
+    val_fraction: float = _f(0.05, "Fraction of the text (its end) held out for validation.",
+                             range=Range(0, 0.5, lo_open=True))
 
 
 @dataclass
@@ -215,9 +224,11 @@ class MoEConfig:
     n_experts: int = _f(8, "Experts per MoE layer (split over parallel.expert, which must divide it).", range=POSITIVE)
     top_k: int = _f(2, "Experts each token is routed to (<= n_experts).", range=POSITIVE)
     capacity_factor: float = _f(1.25, "Expert capacity per group of tokens (one device's tokens) = "
-                                      "ceil(top_k * tokens * capacity_factor / n_experts); overflow tokens are dropped.", range=ABOVE_ZERO)
+                                      "ceil(top_k * tokens * capacity_factor / n_experts); overflow tokens are "
+                                      "dropped.", range=ABOVE_ZERO)
     dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused).")
-    every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).", range=POSITIVE)
+    every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).",
+                    range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)
     renormalize: bool = _f(True, "Renormalise the top_k router probabilities of a token to sum to 1.")
     score: str = _f("softmax", "Router scores: softmax over the experts (Mixtral, Switch) or sigmoid per expert "
@@ -226,15 +237,18 @@ class MoEConfig:
     shared_experts: int = _f(0, "Always-on experts beside the routed ones (DeepSeek-MoE), each of width moe.d_ff; "
                                 "run as one dense MLP of width shared_experts * moe.d_ff, tensor-parallel.",
                              range=NONNEGATIVE)
-    aux_loss_weight: float = _f(0.01, "Weight of the Switch load-balancing loss E * sum_i f_i P_i (summed over MoE layers).", range=NONNEGATIVE)
-    z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).", range=NONNEGATIVE)
+    aux_loss_weight: float = _f(0.01, "Weight of the Switch load-balancing loss E * sum_i f_i P_i (summed over MoE "
+                                      "layers).", range=NONNEGATIVE)
+    z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).",
+                              range=NONNEGATIVE)
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = _f(True, "Save checkpoints (orbax) of parameters, optimizer state, step and data position.")
     dir: str = _f("", "Checkpoint directory; empty = <train.out_dir>/checkpoints.")
-    every: int = _f(100, "Save every N steps, and always at the last step (0 = only at the last step).", range=NONNEGATIVE)
+    every: int = _f(100, "Save every N steps, and always at the last step (0 = only at the last step).",
+                    range=NONNEGATIVE)
     keep: int = _f(3, "Keep the newest K checkpoints.", range=POSITIVE)
     async_save: bool = _f(True, "Write in the background while training continues (arrays are copied to host "
                                 "first).")
@@ -253,7 +267,8 @@ class DistributedConfig:
                          ("auto", "on", "off"))
     coordinator: str = _f("", "host:port of process 0's coordination service (else env JAXPAR_COORDINATOR, "
                               "else auto-detected).")
-    num_processes: int = _f(0, "Number of processes (else env JAXPAR_NUM_PROCESSES, else auto-detected).", range=NONNEGATIVE)
+    num_processes: int = _f(0, "Number of processes (else env JAXPAR_NUM_PROCESSES, else auto-detected).",
+                            range=NONNEGATIVE)
     process_id: int = _f(-1, "This process's index (else env JAXPAR_PROCESS_ID, else auto-detected).", range=Range(-1))
     heartbeat_timeout: int = _f(60, "Seconds without a heartbeat after which a peer counts as dead and every "
                                     "process stops with an error.", range=POSITIVE)

@@ -48,8 +48,10 @@ class RunLock:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not _alive(holder["pid"]):
-                    self.log(f"note: {self.path} was left by process {holder['pid']}, which no longer runs; taking it over")
+                if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
+                        and not _alive(holder["pid"])):
+                    self.log(f"note: {self.path} was left by process {holder['pid']}, which no longer runs; "
+                             "taking it over")
                     self.path.unlink(missing_ok=True)
                     continue
                 who = (f"process {holder.get('pid', '?')} on host {holder.get('host', '?')} (since "

@@ -113,9 +113,9 @@ def setup_devices(par: ParallelConfig, dist: DistributedConfig | None = None) ->
         n //= procs
     forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     if forced and int(forced.group(1)) != n and "JAX_NUM_CPU_DEVICES" not in os.environ:
-        raise ConfigError(f"XLA_FLAGS sets --xla_force_host_platform_device_count={forced.group(1)}, but the mesh needs "
-                          f"{n} simulated CPU devices per process (parallel.*); remove the flag (jaxpar sets the count "
-                          f"from parallel.*) or set it to {n}")
+        raise ConfigError(f"XLA_FLAGS sets --xla_force_host_platform_device_count={forced.group(1)}, but the mesh "
+                          f"needs {n} simulated CPU devices per process (parallel.*); remove the flag (jaxpar sets the "
+                          f"count from parallel.*) or set it to {n}")
     if "JAX_NUM_CPU_DEVICES" not in os.environ:
         request_cpu_devices(n)
     if plan is not None:

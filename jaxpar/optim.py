@@ -23,8 +23,9 @@ def decay_mask(axes: dict) -> dict:
     """Weight decay for weight matrices only: two or more non-stacking dims, one of them ``embed``
     (every matrix of a transformer maps to or from the model width). Not norms, scalars, or biases,
     also those shaped like a matrix (``[heads, head_dim]``, SwiGLU's ``[2, d_ff]``)."""
-    return jax.tree.map(lambda ax: bool({"embed", "expert_embed"} & set(ax)) and sum(a not in STACK_AXES for a in ax) >= 2, axes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(lambda ax: (bool({"embed", "expert_embed"} & set(ax))
+                                    and sum(a not in STACK_AXES for a in ax) >= 2),
+                        axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def make_optimizer(t: TrainConfig, axes: dict) -> optax.GradientTransformation:

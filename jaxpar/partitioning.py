@@ -149,7 +149,8 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "heads": ("tensor",), "act_heads": ("tensor",),
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
         "mlp": ("tensor",), "act_mlp": ("tensor",),
-        "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (), "layers": ("pipe",),
+        "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (),
+        "layers": ("pipe",),
         "experts": ("expert",), "stages": ("pipe",), "router": (), "sublayers": (),
     }
     def zero(stage: int) -> dict:  # where `embed` goes at this ZeRO stage
@@ -193,8 +194,8 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     if s_ > 1:
         if m.n_layers % (s_ * r_):
-            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pipe x parallel.pipeline_repeats "
-                              f"= {s_ * r_} (stages x layer groups per stage)")
+            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pipe x "
+                              f"parallel.pipeline_repeats = {s_ * r_} (stages x layer groups per stage)")
         mb = par.microbatches or s_
         if mb < s_:
             raise ConfigError(f"parallel.microbatches={mb} is fewer than the {s_} pipeline stages (parallel.pipe); "
@@ -249,10 +250,22 @@ def active_rules() -> RuleSet | None:
     return _ACTIVE.get()
 
 
+def _without_rules(names) -> None:
+    """No rules are active: fine on one device, an error inside a multi-device ``jax.set_mesh`` (a
+    forgotten ``use_rules`` would silently drop every constraint of the model)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and mesh.size > 1:
+        raise RuntimeError(f"a jaxpar layer constrains {tuple(names)} inside a {mesh.size}-device jax.set_mesh, but no "
+                           f"jaxpar rules are active: run it under `with layout:` (jaxpar.Layout), layout.jit / "
+                           f"layout.train_step, or jaxpar.partitioning.use_rules(rules)")
+
+
 def constrain(x: jax.Array, names) -> jax.Array:
-    """``with_sharding_constraint`` of an activation by logical names (identity without active rules)."""
+    """``with_sharding_constraint`` of an activation by logical names (identity without active rules on
+    one device; an error without rules inside a multi-device ``jax.set_mesh``)."""
     rules = _ACTIVE.get()
     if rules is None or rules.mesh is None:
+        _without_rules(names)
         return x
     return jax.lax.with_sharding_constraint(x, rules.params.sharding(names, x.shape, "activation"))
 
@@ -261,6 +274,7 @@ def constrain_weight(w: jax.Array, names) -> jax.Array:
     """A weight in the layout it is computed in: gathers a ZeRO-3 shard just before use."""
     rules = _ACTIVE.get()
     if rules is None or rules.mesh is None:
+        _without_rules(names)
         return w
     return jax.lax.with_sharding_constraint(w, rules.compute.sharding(names, w.shape, "weight"))
 

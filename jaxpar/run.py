@@ -354,8 +354,9 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
             (out / "train_step.hlo.txt").write_text(trainer.hlo_text())
     mem = report.get("memory", {})
     bubble = pipeline_report(cfg, trainer, out if main else None, log)
-    log(f"compiled train step in {report['compile_seconds']:.1f}s: per device {_fmt_bytes(mem.get('argument_size', 0))} "
-        f"arguments, {_fmt_bytes(mem.get('temp_size', 0))} temp (model.remat={cfg.model.remat}); model flops "
+    log(f"compiled train step in {report['compile_seconds']:.1f}s: per device "
+        f"{_fmt_bytes(mem.get('argument_size', 0))} arguments, {_fmt_bytes(mem.get('temp_size', 0))} temp "
+        f"(model.remat={cfg.model.remat}); model flops "
         f"{report['model_flops']['per_step_per_device']:.3g}/step/device"
         + (f"; XLA options: {len(report['xla_options'])} (train.xla_perf_options)" if report["xla_options"] else ""))
     try:
@@ -423,7 +424,8 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
                     else:
                         log(_line(rec))
                 stop = preemption.reached(step + 1)
-                if ckpt is not None and (last or stop or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)):
+                if ckpt is not None and (last or stop
+                                         or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)):
                     if last or stop:
                         faults.flush()  # never write a final checkpoint past a fatal streak
                     t_save = time.perf_counter()
@@ -584,7 +586,8 @@ def _newest(ckpt: Checkpointer | None) -> str:
     if ckpt is None:
         return "checkpoints are disabled"
     latest = ckpt.latest()
-    return f"the newest complete checkpoint is {ckpt.path(latest)}" if latest is not None else "there is no checkpoint yet"
+    return (f"the newest complete checkpoint is {ckpt.path(latest)}" if latest is not None
+            else "there is no checkpoint yet")
 
 
 def _quiet(*_args, **_kwargs) -> None:

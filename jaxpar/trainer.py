@@ -85,7 +85,7 @@ class Trainer:
     """Builds mesh, rules, shardings, optimizer and the compiled train step for a :class:`Config`.
 
     ``build_model(cfg, tensor=, seed=)`` creates the model; by default the ``model.arch`` registry of
-    :mod:`models`. Its ``loss(inputs, targets)`` returns ``(loss, metrics)``; a ``ce_loss`` metric, when
+    :mod:`jaxpar.models`. Its ``loss(inputs, targets)`` returns ``(loss, metrics)``; a ``ce_loss`` metric, when
     present, is what evaluation reports (the loss may carry auxiliary terms).
     """
 
@@ -99,7 +99,7 @@ class Trainer:
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes, cfg.parallel.microbatches)
         self.rules = make_rules(cfg.parallel, self.mesh)
         if build_model is None:
-            from models import build_model
+            from jaxpar.models import build_model
         tensor, seed = self.sizes["tensor"], cfg.train.seed
         self.adapter = ModelAdapter(lambda: build_model(cfg, tensor=tensor, seed=seed))
         axes, abstract = self.adapter.axes, self.adapter.abstract
@@ -184,8 +184,8 @@ class Trainer:
         rows = self.cfg.train.batch_size // self.cfg.train.grad_accum // (self.sizes["data"] * self.sizes["expert"])
         chunks = loss_chunks(rows, m.seq_len // n, m.loss_chunk_tokens)
         return [f"compute: {dtype.name} matmuls, {m.param_dtype} parameters; attention kernel: {kernel}; "
-                f"remat: {m.remat}; loss: head + cross-entropy in {chunks} chunk(s) of {rows * m.seq_len // n // chunks} "
-                "tokens per device"]
+                f"remat: {m.remat}; loss: head + cross-entropy in {chunks} chunk(s) of "
+                f"{rows * m.seq_len // n // chunks} tokens per device"]
 
     # -- state -----------------------------------------------------------------------------------
     def init_state(self) -> dict:

@@ -3,8 +3,8 @@
 from flax import nnx
 
 from jaxpar.config import Config
-from models.gpt import GPT, Block
-from models.moe import MoETransformer
+from jaxpar.models.gpt import GPT, Block
+from jaxpar.models.moe import MoETransformer
 
 ARCHS = {
     "gpt": lambda cfg, tensor, rngs: GPT(cfg.model, tensor=tensor, rngs=rngs),

@@ -123,7 +123,8 @@ class GPT(nnx.Module):
         self.norm_f = make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
         vp = self.embed.padded_size
         self.head = (None if cfg.tie_embeddings else
-                     ColumnParallelLinear(cfg.d_model, vp, out_axes=("vocab",), act_axes=("batch", "length", "act_vocab"),
+                     ColumnParallelLinear(cfg.d_model, vp, out_axes=("vocab",),
+                                          act_axes=("batch", "length", "act_vocab"),
                                           use_bias=False, dtype=dtype, param_dtype=pd, rngs=rngs,
                                           kernel_init=padded_init(nnx.initializers.normal(cfg.init_std),
                                                                   cfg.vocab_size, axis=1)))

@@ -35,7 +35,7 @@ from flax import nnx
 from jaxpar.config import MoEConfig, ModelConfig
 from jaxpar.layers import MoE
 from jaxpar.partitioning import constrain
-from models.gpt import DTYPES, GPT, Block, scan_blocks, stacked
+from jaxpar.models.gpt import DTYPES, GPT, Block, scan_blocks, stacked
 
 
 class MoEBlock(Block):

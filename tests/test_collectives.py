@@ -11,7 +11,7 @@ from jaxpar import hlo
 from jaxpar.mesh import make_mesh
 from jaxpar.partitioning import make_rules, use_rules
 from jaxpar.trainer import ModelAdapter
-from models.gpt import Block
+from jaxpar.models.gpt import Block
 
 F32 = 4
 

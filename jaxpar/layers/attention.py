@@ -55,7 +55,8 @@ class Attention(nnx.Module):
         # Biases of Q and V only: a key bias adds q.b_k to every score of a query, which softmax
         # ignores; its gradient is zero in exact arithmetic and Adam would turn round-off into steps.
         self.q_bias = param(jnp.zeros((n_heads, head_dim), param_dtype), ("heads", "head_dim")) if use_bias else None
-        self.v_bias = param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim")) if use_bias else None
+        self.v_bias = (param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim"))
+                       if use_bias else None)
         self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), use_bias=use_bias,
                                    name="out_proj",
                                    kernel_init=nnx.initializers.normal(out_init_std or init_std), **kw)

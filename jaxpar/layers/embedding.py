@@ -96,7 +96,8 @@ class VocabParallelEmbed(nnx.Module):
                 return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
             return jax.lax.psum(x, "tensor")
 
-        fn = jax.shard_map(local, mesh=p.mesh, in_specs=(p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed"))),
+        fn = jax.shard_map(local, mesh=p.mesh,
+                           in_specs=(p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed"))),
                            out_specs=p.spec(("batch", "res_length", "act_embed")))
         return fn(ids, self.embedding[...])
 

@@ -1,0 +1,14 @@
+"""The code style CI holds the library to: ruff (pyproject.toml: line length 120, pycodestyle,
+pyflakes, bugbear) over the package, the models, the scripts, the examples and the benchmarks."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_is_clean():
+    p = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "jaxpar", "models", "train.py",
+                        "examples", "benchmarks"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-2000:]
