@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -268,3 +269,25 @@ def config_changes(saved: dict, now: dict, ignore=("parallel", "train.out_dir", 
             if key not in ignore and old != v:
                 out.append(f"{key}: {old!r} -> {v!r}")
     return out
+
+
+class CheckpointHook:
+    """A hook (:mod:`jaxpar.loop`): save after every ``every``-th step (0 = never), the last step, and a
+    step at which the loop was asked to stop. Before a final save the fault counter settles (a final
+    checkpoint is never written past a fatal streak of non-finite steps); the blocking part of a save
+    is not step time; ``beat`` is called after it (the watchdog's sign of life)."""
+
+    def __init__(self, loop, ckpt: Checkpointer, every: int, save_args, faults=None, beat=lambda: None):
+        self.loop, self.ckpt, self.every, self.save_args, self.faults, self.beat = \
+            loop, ckpt, every, save_args, faults, beat
+
+    def __call__(self, info) -> None:
+        stop = self.loop.stop_reason is not None
+        if not (info.last or stop or (self.every and (info.step + 1) % self.every == 0)):
+            return
+        if (info.last or stop) and self.faults is not None:
+            self.faults.flush()
+        t = time.perf_counter()
+        self.ckpt.save(info.step + 1, *self.save_args(info.state))
+        self.loop.exclude(time.perf_counter() - t)
+        self.beat()

@@ -7,6 +7,9 @@ A run is configured by one :class:`Config` made of sections (``model``, ``moe``,
 
 Every field carries a ``help`` string in its metadata; :func:`config_table` renders all keys as a
 Markdown table (the README's key reference is generated from it, so it cannot drift).
+
+Long by design: every key of every section is declared here with its type, default, range and help
+text, next to the checks across keys; splitting the sections would scatter that one reference.
 """
 
 from __future__ import annotations

@@ -37,30 +37,29 @@ from the :class:`Watchdog` thread with one error line.
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
-import numpy as np
 import yaml
 
-from jaxpar import flops
 from jaxpar import mesh as meshlib
-from jaxpar.checkpoint import CheckpointError, Checkpointer, config_changes
+from jaxpar.checkpoint import CheckpointError, Checkpointer, CheckpointHook, config_changes
 from jaxpar.config import Config, ConfigError
 from jaxpar.data.sources import make_source
+from jaxpar.faults import (FaultCounter, FaultHook, Interrupted, OutOfMemoryAsError, PeerError, Preemption,
+                           PreemptionHook, TrainingError, Watchdog, hang_exit, is_out_of_memory, newest_checkpoint,
+                           out_of_memory_message)
 from jaxpar.lock import RunLock
+from jaxpar.loop import StepInfo, TrainLoop
+from jaxpar.metrics import EvalHook, MetricsHook, MetricsLog, ProgressHook, fmt_bytes, plot_losses, previous_records
 from jaxpar.trainer import Trainer
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+# Re-exported: what a caller of run() catches or uses.
+__all__ = ["run", "TrainingError", "Interrupted", "PeerError", "Watchdog", "is_out_of_memory",
+           "out_of_memory_message", "open_checkpoints", "restore_state", "StepInfo"]
 
 
 def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> float | None:
@@ -86,88 +85,10 @@ def startup_report(trainer: Trainer) -> str:
     return "\n".join([
         meshlib.describe(t.mesh), "", t.rules.table(), "",
         f"parameters: {t.param_count():,}",
-        f"per device: parameters {_fmt_bytes(t.per_device_bytes('params'))}, "
-        f"optimizer state {_fmt_bytes(t.per_device_bytes('opt'))}; replicated beyond an even split over "
-        f"{t.mesh.size} devices: {_fmt_bytes(rep['held'] - rep['ideal'])} ({100 * rep['fraction']:.0f}%)",
+        f"per device: parameters {fmt_bytes(t.per_device_bytes('params'))}, "
+        f"optimizer state {fmt_bytes(t.per_device_bytes('opt'))}; replicated beyond an even split over "
+        f"{t.mesh.size} devices: {fmt_bytes(rep['held'] - rep['ideal'])} ({100 * rep['fraction']:.0f}%)",
         *t.compute_report()])
-
-
-class _Logger:
-    """metrics.jsonl + TensorBoard on process 0. ``records`` (the earlier steps of a resumed run) are
-    written first; non-finite values (a skipped step's loss) are written as null."""
-
-    def __init__(self, out: Path, enabled: bool, records: list[dict] | None = None):
-        self.records = list(records or [])
-        self.file = open(out / "metrics.jsonl", "w") if enabled else None
-        self.tb = None
-        if enabled:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(out / "tb"))
-            for rec in self.records:
-                self.file.write(json.dumps(rec) + "\n")
-
-    def write(self, rec: dict):
-        rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-        self.records.append(rec)
-        if self.file:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
-                elif isinstance(v, list):  # a vector metric (e.g. MoE expert load): one scalar per entry
-                    for i, x in enumerate(v):
-                        self.tb.add_scalar(f"{k}/{i}", x, rec["step"])
-
-    def close(self):
-        if self.file:
-            self.file.close()
-            self.tb.close()
-
-
-def plot_losses(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    tr = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
-    va = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    if tr:
-        ax.plot(*zip(*tr), label="train")
-    if va:
-        ax.plot(*zip(*va), "o-", label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _progress(total: int, enabled: bool):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                    TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s"), TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled, transient=False)
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many consecutive non-finite steps): one line, the cause."""
-
-
-class Interrupted(TrainingError):
-    """The run was stopped by a second Ctrl-C, without saving (exit status 130)."""
-
-
-class PeerError(TrainingError):
-    """A collective with the other processes of a multi-process run failed: a peer died or was killed.
-    The process should exit at once (``os._exit``): waiting for the peers at shutdown would hang
-    until the heartbeat timeout."""
 
 
 class _StartUp:
@@ -200,46 +121,6 @@ class _StartUp:
                 d.rmdir()  # only if empty: never remove what someone else put there
             except OSError:
                 pass
-
-
-class _OutOfMemoryAsError:
-    """Inside ``with``: an out-of-memory failure of the device (at initialisation, compilation or any
-    step; under asynchronous dispatch a step's failure surfaces where its result is first read)
-    becomes one :class:`TrainingError` line with what the step needs (``report``, once compiled) and
-    what the device has."""
-
-    def __init__(self, trainer):
-        self.trainer, self.report = trainer, None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is not None and issubclass(kind, jax.errors.JaxRuntimeError) and is_out_of_memory(e):
-            raise TrainingError(out_of_memory_message(e, self.trainer.mesh.devices.flat[0], self.report)) from None
-        return False
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """Whether a JAX runtime error is the device running out of memory (``RESOURCE_EXHAUSTED`` on
-    GPU/TPU; XLA:CPU says "Out of memory allocating ...")."""
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
-def out_of_memory_message(e: Exception, device, report: dict | None) -> str:
-    mem = (report or {}).get("memory", {})
-    need = mem.get("argument_size", 0) + mem.get("temp_size", 0) + mem.get("output_size", 0) - mem.get("alias_size", 0)
-    stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
-    have, holder = stats.get("bytes_limit"), getattr(device, "device_kind", "the device")
-    if not have and getattr(device, "platform", "") == "cpu":  # simulated devices share the host's memory
-        have, holder = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host (all its CPU devices)"
-    first = str(e).strip().splitlines()[0][:200]
-    return (f"out of device memory ({first})"
-            + (f": the train step needs {_fmt_bytes(need)} per device" if need else "")
-            + (f" and {holder} has {_fmt_bytes(have)}" if have else "")
-            + "; lower the memory with model.remat=save_dots or full, shard more (parallel.zero=3, parallel.tensor, "
-              "parallel.pipe), or lower train.batch_size / raise train.grad_accum")
 
 
 def open_checkpoints(cfg: Config, log, start_up: _StartUp | None = None) -> tuple[Checkpointer | None, int | None]:
@@ -293,26 +174,14 @@ def restore_state(cfg: Config, trainer: Trainer, ckpt: Checkpointer, step: int, 
     return state
 
 
-def _previous_records(out: Path, before: int) -> list[dict]:
-    """The metrics.jsonl records of steps before ``before`` (a resumed run rewrites the rest)."""
-    path = out / "metrics.jsonl"
-    if before == 0 or not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a crash
-            continue
-        if isinstance(rec, dict) and rec.get("step", before) < before:
-            records.append(rec)
-    return records
-
-
-def run(cfg: Config, mesh=None, log=print) -> dict:
+def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo], object], int]] | None = None) -> dict:
     """Train ``cfg`` to completion (continuing from its newest checkpoint, see ``checkpoint.resume``);
     returns a summary (final train / validation loss, run directory, first step run, and
     ``interrupted``: the signal that stopped it early, if one did).
+
+    ``hooks``: ``(fn, every)`` pairs added to the loop (see :mod:`jaxpar.loop`) after the metrics and
+    before the checkpoint hook: ``fn(info)`` runs after every ``every``-th step and the last; a hook that
+    calls ``info.loop.request_stop(reason)`` ends the run after that step, which is saved.
 
     A failed start changes nothing: the run directory is locked first (:mod:`jaxpar.lock`), and
     ``config.yaml`` and the other outputs are written only once every check has passed (model and
@@ -326,7 +195,7 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
     ckpt = None
     try:
         trainer = Trainer(cfg, mesh=mesh)
-        oom = _OutOfMemoryAsError(trainer)
+        oom = OutOfMemoryAsError(trainer)
         ckpt, resume_step = open_checkpoints(cfg, log, start_up)
         log(startup_report(trainer))
         rows = trainer.local_rows()
@@ -355,104 +224,68 @@ def run(cfg: Config, mesh=None, log=print) -> dict:
     mem = report.get("memory", {})
     bubble = pipeline_report(cfg, trainer, out if main else None, log)
     log(f"compiled train step in {report['compile_seconds']:.1f}s: per device "
-        f"{_fmt_bytes(mem.get('argument_size', 0))} arguments, {_fmt_bytes(mem.get('temp_size', 0))} temp "
+        f"{fmt_bytes(mem.get('argument_size', 0))} arguments, {fmt_bytes(mem.get('temp_size', 0))} temp "
         f"(model.remat={cfg.model.remat}); model flops "
         f"{report['model_flops']['per_step_per_device']:.3g}/step/device"
         + (f"; XLA options: {len(report['xla_options'])} (train.xla_perf_options)" if report["xla_options"] else ""))
     try:
         with oom:
-            return _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log)
+            return _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log, hooks or [])
     finally:
         start_up.lock.release()
 
 
-def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log) -> dict:
-    """The loop of :func:`run`, after a successful start."""
-    def evaluate(params) -> float:
-        losses = [trainer.eval_loss(params, trainer.place_batch(b)) for b in source.val]
-        return float(np.mean(jax.device_get(losses)))
-
-    def save(done: int) -> None:
-        ckpt.save(done, trainer.state_to_layer_order(state), source.state(), cfg.to_dict())
-
+def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log, hooks) -> dict:
+    """The loop of :func:`run`, after a successful start: a :class:`TrainLoop` with jaxpar's hooks, in
+    this order: faults + watchdog, evaluation, metrics, preemption, yours, checkpoint, progress."""
     start, steps = resume_step or 0, cfg.train.steps
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-    peak = flops.peak_flops(jax.devices()[0], cfg.train.peak_tflops)
-    model_flops = report["model_flops"]["per_step_per_device"]
-    records = _previous_records(out, start) if main else []
-    logger = _Logger(out, main, records)
-    last_time, last_step, loss, val = time.perf_counter(), start, float("nan"), None
-    faults = _FaultCounter(cfg.train.max_bad_steps, ckpt)
-    bar = _progress(steps, main and sys.stdout.isatty())
+    loop = TrainLoop(trainer, source, state, start, steps)
+    metrics_log = MetricsLog(out, main, previous_records(out, start) if main else [])
+    progress = ProgressHook(steps, start, main and sys.stdout.isatty(), log)
+    faults = FaultCounter(cfg.train.max_bad_steps, ckpt)
+    preemption = Preemption()
+    watchdog = Watchdog(cfg.train.step_timeout, hang_exit(cfg, ckpt, lambda: loop.current))
+    evaluation = EvalHook(loop, trainer, source.val, cfg.train.eval_every, beat=watchdog.beat)
+    metrics = MetricsHook(loop, cfg, report, bubble, metrics_log, progress)
+    loop.add_hook(FaultHook(faults, ckpt, watchdog))
+    loop.add_hook(evaluation)
+    loop.add_hook(metrics)
+    loop.add_hook(PreemptionHook(loop, preemption))
+    for fn, every in hooks:
+        loop.add_hook(fn, every)
+    if ckpt is not None:
+        loop.add_hook(CheckpointHook(loop, ckpt, cfg.checkpoint.every, faults=faults, beat=watchdog.beat,
+                                     save_args=lambda st: (trainer.state_to_layer_order(st), source.state(),
+                                                           cfg.to_dict())))
+    loop.add_hook(progress)
     if start >= steps:
         log(f"the checkpoint is at step {start}, train.steps={steps}: nothing left to train")
         if source.val:
-            val = evaluate(state["params"])
-    current, preempted = [start], None  # the step in progress, for the watchdog's message
-    preemption, watchdog = _Preemption(), Watchdog(cfg.train.step_timeout, _hang_exit(cfg, ckpt, current))
+            evaluation.evaluate(state["params"])
+    preempted = None
     try:
-        with bar:
-            task = bar.add_task("train", total=steps, completed=start, loss="-", tps="-")
-            for step in range(start, steps):
-                current[0] = step
-                state, metrics = trainer.step(state, trainer.place_batch(source.next()))
-                faults.push(step, metrics)  # reads the previous step's flag: one step stays in flight
-                if ckpt is not None:
-                    ckpt.check_for_errors()  # a background save that failed stops the run now
-                watchdog.beat()
-                last = step == steps - 1
-                do_eval = source.val and (last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0))
-                if step % cfg.train.log_every == 0 or last or do_eval:
-                    m = {k: _scalar_or_list(v) for k, v in jax.device_get(metrics).items()}
-                    now = time.perf_counter()
-                    dt = (now - last_time) / (step + 1 - last_step)
-                    last_time, last_step, loss = now, step + 1, m["loss"]
-                    rec = {"step": step, **m, "step_time": dt, "tokens_per_sec": tokens_per_step / dt,
-                           "model_tflops_per_sec": model_flops / dt / 1e12}
-                    if peak:
-                        rec["mfu"] = model_flops / dt / peak
-                    if bubble is not None:
-                        rec["bubble_fraction"] = bubble
-                    if do_eval:
-                        val = rec["val_loss"] = evaluate(state["params"])
-                        last_time = time.perf_counter()  # evaluation time is not step time
-                        watchdog.beat()
-                    logger.write(rec)
-                    bar.update(task, loss=f"{loss:.3f}", tps=f"{rec['tokens_per_sec']:,.0f}")
-                    if not bar.disable:
-                        bar.console.log(_line(rec))
-                    else:
-                        log(_line(rec))
-                stop = preemption.reached(step + 1)
-                if ckpt is not None and (last or stop
-                                         or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)):
-                    if last or stop:
-                        faults.flush()  # never write a final checkpoint past a fatal streak
-                    t_save = time.perf_counter()
-                    save(step + 1)
-                    last_time += time.perf_counter() - t_save  # the blocking part of a save is not step time
-                    watchdog.beat()
-                bar.advance(task)
-                if stop and not last:
-                    preempted = step + 1
-                    how = "interrupted (Ctrl-C)" if preemption.signal_name == "SIGINT" else "preempted (SIGTERM)"
-                    log(f"{how}: stopping after step {step}"
-                        + (f"; checkpoint {ckpt.path(step + 1)} saved, run the same command to continue"
-                           if ckpt is not None else "; checkpoints are disabled, so nothing was saved"))
-                    break
+        with progress:
+            state = loop.run()
             faults.flush()
+        if loop.stop_reason is not None and loop.current != steps - 1:
+            preempted = loop.current + 1
+            how = {"SIGINT": "interrupted (Ctrl-C)", "SIGTERM": "preempted (SIGTERM)"}.get(
+                loop.stop_reason, f"stopped by a hook ({loop.stop_reason})")
+            log(f"{how}: stopping after step {loop.current}"
+                + (f"; checkpoint {ckpt.path(preempted)} saved, run the same command to continue"
+                   if ckpt is not None else "; checkpoints are disabled, so nothing was saved"))
     except KeyboardInterrupt:  # the second Ctrl-C
-        raise Interrupted(f"interrupted twice (Ctrl-C): stopped at once during step {current[0]} without saving; "
-                          f"{_newest(ckpt)}") from None
+        raise Interrupted(f"interrupted twice (Ctrl-C): stopped at once during step {loop.current} without saving; "
+                          f"{newest_checkpoint(ckpt)}") from None
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
         raise PeerError(f"process {jax.process_index()}: a collective with the other processes failed "
                         f"({str(e).strip().splitlines()[0][:200]}); a peer process probably died or was killed. "
-                        f"Stopping; {_newest(ckpt)}") from None
+                        f"Stopping; {newest_checkpoint(ckpt)}") from None
     finally:
         watchdog.close()
-        logger.close()
+        metrics_log.close()
         preemption.close()
         failed = sys.exc_info()[1]
         if ckpt is not None and not isinstance(failed, (PeerError, Interrupted)):
@@ -464,13 +297,13 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
             finally:
                 ckpt.close()
     end = preempted or max(start, steps)
-    summary = {"final_loss": loss, "val_loss": val, "out_dir": str(out), "steps": steps, "start_step": start,
-               "skipped_steps": faults.total, "preempted_at": preempted,
+    summary = {"final_loss": metrics.loss, "val_loss": evaluation.val, "out_dir": str(out), "steps": steps,
+               "start_step": start, "skipped_steps": faults.total, "preempted_at": preempted,
                "interrupted": preemption.signal_name if preempted else None}
     if ckpt is not None:
         summary["checkpoint"] = str(ckpt.path(end))
-    if main and logger.records:
-        plot_losses(logger.records, out / "loss.png")
+    if main and metrics_log.records:
+        plot_losses(metrics_log.records, out / "loss.png")
     if cfg.sample.tokens and source.tokenizer is not None and preempted is None:
         texts = generate_sample(cfg, trainer, state["params"], source.tokenizer)
         log(f"\n--- sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}) ---\n"
@@ -481,149 +314,8 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
     return summary
 
 
-class _Preemption:
-    """A request to stop: save a checkpoint after the current step, then stop.
-
-    SIGTERM (a scheduler's preemption notice) and the first Ctrl-C (SIGINT) both ask for it; a
-    second Ctrl-C stops at once without saving (``KeyboardInterrupt``, turned into
-    :class:`Interrupted`). One process: handlers installed for the duration of the run (from the
-    main thread) set a flag that the loop reads after each step. Several processes: JAX's
-    preemption service, started by ``jax.distributed.initialize``, receives the SIGTERM of any host
-    (a Ctrl-C is passed to it as a SIGTERM to this process) and lets every process agree on the
-    same step to stop at (``reached_preemption_sync_point``)."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.flag, self.signal_name, self.previous = False, None, {}
-        self.multi = jax.process_count() > 1
-        if threading.current_thread() is threading.main_thread():
-            if not self.multi:
-                self.previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._notice)
-            self.previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
-
-    def _notice(self, *_):
-        self.flag, self.signal_name = True, self.signal_name or "SIGTERM"
-
-    def _interrupt(self, *_):
-        import signal
-
-        if self.signal_name == "SIGINT":
-            raise KeyboardInterrupt
-        self.signal_name = "SIGINT"
-        print("\ninterrupted (Ctrl-C): finishing this step and saving a checkpoint; press Ctrl-C again to stop at once "
-              "without saving", file=sys.stderr, flush=True)
-        if self.multi:  # every process must stop at the same step: JAX's preemption service agrees on it
-            os.kill(os.getpid(), signal.SIGTERM)
-        else:
-            self.flag = True
-
-    def reached(self, steps_done: int) -> bool:
-        if self.multi:
-            from jax.experimental import multihost_utils
-
-            try:
-                return multihost_utils.reached_preemption_sync_point(steps_done)
-            except RuntimeError:  # the preemption service is switched off (jax_enable_preemption_service)
-                return False
-        return self.flag
-
-    def close(self):
-        import signal
-
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous = {}
-
-
-class Watchdog:
-    """Calls ``on_hang(seconds)`` from a background thread when :meth:`beat` has not been called for
-    ``timeout`` seconds (0 = never). The training loop beats after each step, evaluation and save; a
-    collective waiting for a stuck (alive, still heartbeating) peer never returns, so only a thread
-    can notice."""
-
-    def __init__(self, timeout: float, on_hang, poll: float | None = None):
-        import threading
-
-        self.timeout, self.on_hang = timeout, on_hang
-        self.last = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = None
-        if timeout > 0:
-            self.poll = poll or min(5.0, timeout / 10)
-            self._thread = threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True)
-            self._thread.start()
-
-    def beat(self) -> None:
-        self.last = time.monotonic()
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll):
-            idle = time.monotonic() - self.last
-            if idle > self.timeout:
-                self.on_hang(idle)
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def _hang_exit(cfg: Config, ckpt: Checkpointer | None, step: list[int]):
-    """The watchdog's action in ``run``: one error line, then leave at once (the main thread is stuck)."""
-
-    def on_hang(idle: float) -> None:
-        print(f"error: process {jax.process_index()}: no training progress for {idle:.0f} s while running step "
-              f"{step[0]} (train.step_timeout={cfg.train.step_timeout}); a peer process may be hung, or the step "
-              f"is slower than the limit. Stopping; {_newest(ckpt)}", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    return on_hang
-
-
-def _newest(ckpt: Checkpointer | None) -> str:
-    """How a stop message names the checkpoint to resume from."""
-    if ckpt is None:
-        return "checkpoints are disabled"
-    latest = ckpt.latest()
-    return (f"the newest complete checkpoint is {ckpt.path(latest)}" if latest is not None
-            else "there is no checkpoint yet")
-
-
 def _quiet(*_args, **_kwargs) -> None:
     """The log of processes other than 0: everything they would print, process 0 prints."""
-
-
-class _FaultCounter:
-    """Counts consecutive skipped (non-finite) steps from the step metrics, one step behind the
-    device so that the host never waits for the step it just dispatched; raises
-    :class:`TrainingError` after ``limit`` in a row."""
-
-    def __init__(self, limit: int, ckpt: Checkpointer | None):
-        self.limit, self.ckpt = limit, ckpt
-        self.pending, self.streak, self.total = None, [], 0
-
-    def push(self, step: int, metrics: dict) -> None:
-        self.flush()
-        self.pending = (step, metrics["nonfinite"])
-
-    def flush(self) -> None:
-        if self.pending is None:
-            return
-        step, flag = self.pending
-        self.pending = None
-        if not int(flag):
-            self.streak = []
-            return
-        self.total += 1
-        self.streak.append(step)
-        if len(self.streak) >= self.limit:
-            if self.ckpt is not None:
-                self.ckpt.wait()  # a save in flight holds weights from before the streak: let it complete
-            raise TrainingError(f"{len(self.streak)} consecutive steps ({self.streak[0]}-{self.streak[-1]}) had a "
-                                f"non-finite loss or gradients and were skipped (train.max_bad_steps={self.limit}); "
-                                f"stopping; {_newest(self.ckpt)}. Lower train.lr or raise "
-                                "train.warmup_steps / train.grad_clip")
 
 
 def generate_sample(cfg: Config, trainer: Trainer, params, tokenizer) -> list[str]:
@@ -633,24 +325,3 @@ def generate_sample(cfg: Config, trainer: Trainer, params, tokenizer) -> list[st
     return generate(trainer, params, tokenizer, s.prompt, s.tokens, s.temperature, s.top_k, cfg.train.seed)
 
 
-def _scalar_or_list(v):
-    """A metric for JSON: int for integer counters (``nonfinite``, ``skipped_steps``), else float."""
-    a = np.asarray(v)
-    if a.ndim == 0:
-        return int(a) if a.dtype.kind in "iub" else float(a)
-    return a.astype(float).tolist()
-
-
-def _line(r: dict) -> str:
-    if r.get("nonfinite"):
-        return (f"step {r['step']:5d}  SKIPPED: loss {r['loss']}, grad_norm {r['grad_norm']} (not finite); "
-                f"{r['skipped_steps']} skipped so far")
-    s = (f"step {r['step']:5d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad_norm {r['grad_norm']:.3f}  "
-         f"{r['tokens_per_sec']:,.0f} tok/s")
-    if "mfu" in r:
-        s += f"  MFU {100 * r['mfu']:.1f}%"
-    if "moe_drop_fraction" in r:
-        s += f"  moe aux {r['moe_aux_loss']:.3f} dropped {100 * r['moe_drop_fraction']:.1f}%"
-    if "val_loss" in r:
-        s += f"  val_loss {r['val_loss']:.4f}"
-    return s

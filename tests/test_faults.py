@@ -295,7 +295,7 @@ def test_ctrl_c_saves_after_the_step_and_the_resume_is_exact(tmp_path, reference
 
 def test_a_second_ctrl_c_stops_at_once():
     """The handler behind Ctrl-C: the first asks for a save after the step, the second interrupts."""
-    from jaxpar.run import _Preemption
+    from jaxpar.faults import Preemption as _Preemption
 
     p = _Preemption()
     try:

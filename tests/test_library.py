@@ -176,3 +176,38 @@ def test_examples_run_on_8_simulated_devices_and_match_one(script):
     r = json.loads(p.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(r["losses_8_devices"], r["losses_1_device"], rtol=2e-6)
     assert r["losses_8_devices"][-1] < r["losses_8_devices"][0]
+
+
+def test_modules_stay_small_or_say_why():
+    for f in list((ROOT / "jaxpar").rglob("*.py")) + list((ROOT / "models").rglob("*.py")):
+        text = f.read_text()
+        if text.count("\n") > 420:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert "Long by design" in doc, f"{f.relative_to(ROOT)} has {text.count(chr(10))} lines and no reason"
+
+
+def test_the_loop_runs_user_hooks_and_a_hook_can_stop_the_run(tmp_path):
+    from helpers import config
+
+    from jaxpar.loop import TrainLoop
+    from jaxpar.run import run
+
+    seen = []
+    cfg = config("gpt2", data__source="synthetic", train__steps=6, train__out_dir=str(tmp_path / "run"),
+                 train__eval_every=0, train__log_every=1, sample__tokens=0, checkpoint__every=0, parallel__data=8)
+
+    def record(info):
+        seen.append((info.step, info.last, float(info.metrics["loss"])))
+
+    def stop_after_step_3(info):
+        if info.step == 3:
+            info.loop.request_stop("enough")
+
+    summary = run(cfg, log=lambda *_: None, hooks=[(record, 2), (stop_after_step_3, 1)])
+    assert [s[0] for s in seen] == [1, 3]  # after steps 2 and 4 counted from 1; then the stop
+    recs = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert seen[1][2] == recs[3]["loss"] and max(recs) == 3  # the hook saw the logged loss; nothing after the stop
+    assert summary["preempted_at"] == 4 and summary["interrupted"] is None
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4"]  # the stop step is saved
+    with pytest.raises(ValueError, match="every=0 must be a positive number of steps"):
+        TrainLoop(None, None, None, 0, 1).add_hook(print, every=0)
