@@ -47,7 +47,7 @@ def _path(p) -> str:
 class Layout:
     """A mesh of the five axes (``data``, ``pipe``, ``expert``, ``seq``, ``tensor``) and the rules that
     map logical names to it. Keyword arguments are ``parallel.*`` config keys (``zero=1``,
-    ``sequence_parallel=True``, ...), checked as ``train.py`` checks them; one axis may be -1 (the
+    ``megatron_sp=True``, ...), checked as ``train.py`` checks them; one axis may be -1 (the
     rest of the devices). ``devices`` defaults to all devices, cut to the mesh's size."""
 
     def __init__(self, *, devices=None, **parallel: Any):

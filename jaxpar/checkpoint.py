@@ -244,7 +244,7 @@ def _drop_closed_loop_reports() -> None:
         if not (isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value)):
             hook(unraisable)
 
-    filtered._jaxpar_filter = True
+    setattr(filtered, "_jaxpar_filter", True)  # noqa: B010 (a marker on a function object)
     sys.unraisablehook = filtered
 
 

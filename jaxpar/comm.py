@@ -109,8 +109,8 @@ def leaves_of(trainer) -> list[Leaf]:
     rules = trainer.rules
     for a, names in zip(jax.tree.leaves(trainer.adapter.abstract),
                         jax.tree.leaves(trainer.adapter.axes, is_leaf=lambda x: isinstance(x, tuple))):
-        specs = [r.spec(names, a.shape) for r in (rules.params, rules.opt, rules.compute)]
-        out.append(Leaf(tuple(a.shape), tuple(names), *specs, stage=bool(names) and names[0] == "layers"))
+        params, opt, compute = (r.spec(names, a.shape) for r in (rules.params, rules.opt, rules.compute))
+        out.append(Leaf(tuple(a.shape), tuple(names), params, opt, compute, stage=bool(names) and names[0] == "layers"))
     return out
 
 
@@ -182,14 +182,14 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
     recompute_ar = int(remat != "none" and "out_proj" not in kept)
     shared_runs = layer_runs // cfg.moe.every if m.arch == "moe" and cfg.moe.shared_experts else 0
-    if sizes["tensor"] > 1 and not par.sequence_parallel:
+    if sizes["tensor"] > 1 and not par.megatron_sp:
         add("all-reduce", tp, layer_runs * (4 + recompute_ar), act, "Megatron block all-reduces")
         # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
         add("all-reduce", tp, 2 * shared_runs, act, "shared experts' all-reduces")
         add("all-reduce", tp, k, rows * tl * d * param_bytes, "vocab-parallel lookup")
         add("all-reduce", tp, k, head_grad, "loss input gradient")
         add("all-reduce", tp, 3 * k, rows * tl * 4, "loss max / sum / target over the vocabulary")
-    if sizes["tensor"] > 1 and par.sequence_parallel:
+    if sizes["tensor"] > 1 and par.megatron_sp:
         t_ = sizes["tensor"]
         again = remat != "none"
         add("all-gather", tp, layer_runs * (4 + 2 * again), act, "Megatron-SP column-layer input all-gathers")
@@ -208,7 +208,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
 
     # -- pipeline --------------------------------------------------------------------------------------
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
-        res = act / (sizes["tensor"] if par.sequence_parallel else 1)
+        res = act / (sizes["tensor"] if par.megatron_sp else 1)
         add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
         add("all-reduce", ("pipe",), 2 * k * iters, res, "last stage's output broadcast (forward, backward)")
 

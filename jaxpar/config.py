@@ -18,6 +18,7 @@ import dataclasses
 import math
 import difflib
 import types
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +61,7 @@ BETA = Range(0, 1, hi_open=True)
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, range: Range | None = None):
-    meta = {"help": help}
+    meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = choices
     if range is not None:
@@ -79,7 +80,7 @@ class ParallelConfig:
                                     "(K/V blocks around a ring, online softmax), ulysses (all-to-all to heads).",
                             ("all_gather", "ring", "ulysses"))
     seq_zigzag: bool = _f(True, "Zig-zag sequence layout for ring attention (balances causal work).")
-    sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms/residuals split along the sequence "
+    megatron_sp: bool = _f(False, "Megatron sequence parallelism: norms/residuals split along the sequence "
                                         "over `tensor` (needs tensor > 1).")
     microbatches: int = _f(0, "Pipeline microbatches M per (grad-accum) step; 0 = parallel.pipe. Needs M >= pipe.",
                            range=NONNEGATIVE)
@@ -324,7 +325,7 @@ def _coerce(key: str, value: Any, tp, choices) -> Any:
         if type(None) in allowed:
             return None
         raise ConfigError(f"{key}: null is not allowed (expected {tp.__name__})")
-    out = None
+    out: Any = None
     for t in allowed:
         if t is type(None):
             continue
@@ -386,9 +387,33 @@ def _build(cls, values: dict, prefix: str = ""):
     return cls(**kwargs)
 
 
+# Old key -> new key. An old key still works for one release, with a note on stderr.
+ALIASES = {"parallel.sequence_parallel": "parallel.megatron_sp"}
+
+
+def _alias(key: str) -> str:
+    new = ALIASES.get(key)
+    if new is None:
+        return key
+    print(f"note: {key} is now called {new}; the old name works until the next release", file=sys.stderr)
+    return new
+
+
+def _apply_aliases(tree: dict) -> None:
+    """Move old keys of a YAML tree to their new names."""
+    for old in ALIASES:
+        section, leaf = old.split(".")
+        node = tree.get(section)
+        if isinstance(node, dict) and leaf in node:
+            new_section, new_leaf = _alias(old).split(".")
+            tree.setdefault(new_section, {})[new_leaf] = node.pop(leaf)
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    dotted = _alias(dotted)
     parts = dotted.split(".")
-    node, cls = tree, Config
+    node: dict = tree
+    cls: Any = Config  # the section holding parts[i]: a dataclass type
     for i, p in enumerate(parts):
         names = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
         if p not in names:
@@ -438,6 +463,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
         tree = loaded
+        _apply_aliases(tree)
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(tree, key, value)
@@ -471,9 +497,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"parallel.{a}={v} must be a positive integer, or -1 (the rest of the devices)")
     if len(minus_one) > 1:
         raise ConfigError(f"only one parallel axis may be -1 (the rest of the devices); got {', '.join(minus_one)}")
-    if par.sequence_parallel and par.tensor == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence over "
-                          "the tensor axis); set parallel.tensor or parallel.sequence_parallel=false")
+    if par.megatron_sp and par.tensor == 1:
+        raise ConfigError("parallel.megatron_sp=true needs parallel.tensor > 1 (it splits the sequence over "
+                          "the tensor axis); set parallel.tensor or parallel.megatron_sp=false")
     if par.pipe == 1 and (par.microbatches or par.pipeline_repeats != 1):
         key = "parallel.microbatches" if par.microbatches else "parallel.pipeline_repeats"
         raise ConfigError(f"{key}={getattr(par, key.split('.')[1])} has no effect with parallel.pipe=1 (it "
@@ -537,6 +563,10 @@ def config_table() -> str:
                 tname += ": " + " / ".join(map(str, choices))
             if f.metadata.get("range") is not None:
                 tname += f" {f.metadata['range']}"
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert f.default_factory is not dataclasses.MISSING  # every key has a default or a factory
+                default = f.default_factory()
             rows.append(f"| `{sec.name}.{f.name}` | {tname} | `{default!r}` | {f.metadata.get('help', '')} |")
     return "\n".join(rows)

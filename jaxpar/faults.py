@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import jax
 
@@ -187,7 +188,9 @@ class FaultCounter:
 
     def __init__(self, limit: int, ckpt: Checkpointer | None):
         self.limit, self.ckpt = limit, ckpt
-        self.pending, self.streak, self.total = None, [], 0
+        self.pending: tuple[int, Any] | None = None
+        self.streak: list[int] = []
+        self.total = 0
 
     def push(self, step: int, metrics: dict) -> None:
         self.flush()

@@ -26,6 +26,7 @@ import itertools
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,8 @@ class Instr:
     operands: list = field(default_factory=list)
 
 
-def parse_computations(hlo: str) -> tuple[dict[str, list[Instr]], str]:
+def parse_computations(hlo: str) -> tuple[dict[str, list[Instr]], str | None]:
+    """The computations of an HLO module by name, and the entry's name (None: no computation)."""
     comps: dict[str, list[Instr]] = {}
     entry, cur = None, None
     for line in hlo.splitlines():
@@ -108,7 +110,7 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[Instr]], str]:
     return comps, entry
 
 
-def _multiplicity(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, int], bool]:
+def _multiplicity(comps: dict[str, list[Instr]], entry: str | None) -> tuple[dict[str, int], bool]:
     mult: dict[str, int] = defaultdict(int)
     unknown = False
 
@@ -135,7 +137,8 @@ def _multiplicity(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, 
                 for callee in re.findall(r"%?([\w.\-]+)", br.group(1)):
                     visit(callee, m)
 
-    visit(entry, 1)
+    if entry is not None:
+        visit(entry, 1)
     return mult, unknown
 
 
@@ -146,6 +149,8 @@ def _multiplicity(comps: dict[str, list[Instr]], entry: str) -> tuple[dict[str, 
 def _iota(spec: str, n: int | None = None) -> np.ndarray:
     """``'[2,4]T(1,0)'`` -> device ids laid out by the iota-with-transpose notation."""
     m = re.match(r"\[([0-9,]*)\](?:T\(([0-9,]*)\))?", spec.strip())
+    if m is None:
+        raise ValueError(f"not an iota device list (like [2,4]T(1,0)): {spec!r}")
     dims = [int(d) for d in m.group(1).split(",") if d]
     arr = np.arange(int(np.prod(dims))).reshape(dims)
     if m.group(2):
@@ -216,8 +221,8 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None, min_bytes: i
     comps, entry = parse_computations(hlo)
     mult, unknown = _multiplicity(comps, entry)
     n = int(np.prod(list(mesh_shape.values()))) if mesh_shape else 0
-    out = {k: {"count": 0, "static_count": 0, "bytes": 0, "wire_bytes": 0.0, "operand_bytes": 0, "max_bytes": 0,
-               "by_axes": {}} for k in KINDS}
+    out: dict[str, Any] = {k: {"count": 0, "static_count": 0, "bytes": 0, "wire_bytes": 0.0, "operand_bytes": 0,
+                               "max_bytes": 0, "by_axes": {}} for k in KINDS}
     for cname, instrs in comps.items():
         m = mult.get(cname, 0)
         if m == 0:

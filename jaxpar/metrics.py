@@ -34,19 +34,19 @@ class MetricsLog:
 
     def __init__(self, out: Path, enabled: bool, records: list[dict] | None = None):
         self.records = list(records or [])
-        self.file = open(out / "metrics.jsonl", "w") if enabled else None
-        self.tb = None
+        self.file, self.tb = None, None
         if enabled:
             from tensorboardX import SummaryWriter
 
+            self.file = f = open(out / "metrics.jsonl", "w")
             self.tb = SummaryWriter(str(out / "tb"))
             for rec in self.records:
-                self.file.write(json.dumps(rec) + "\n")
+                f.write(json.dumps(rec) + "\n")
 
     def write(self, rec: dict):
         rec = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
         self.records.append(rec)
-        if self.file:
+        if self.file is not None and self.tb is not None:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
             for k, v in rec.items():
@@ -57,7 +57,7 @@ class MetricsLog:
                         self.tb.add_scalar(f"{k}/{i}", x, rec["step"])
 
     def close(self):
-        if self.file:
+        if self.file is not None and self.tb is not None:
             self.file.close()
             self.tb.close()
 

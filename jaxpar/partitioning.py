@@ -116,7 +116,7 @@ class RuleSet:
 
     @property
     def megatron_sp(self) -> bool:
-        return bool(self.parallel and self.parallel.sequence_parallel and self.axis_size("tensor") > 1)
+        return bool(self.parallel and self.parallel.megatron_sp and self.axis_size("tensor") > 1)
 
     @property
     def mesh(self) -> Mesh | None:
@@ -144,7 +144,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     base = {
         "batch": ("data", "expert"), "length": ("seq",),
         # the residual stream's sequence dim: also split over tensor under Megatron sequence parallelism
-        "res_length": ("seq", "tensor") if par.sequence_parallel else ("seq",),
+        "res_length": ("seq", "tensor") if par.megatron_sp else ("seq",),
         "vocab": ("tensor",), "act_vocab": ("tensor",),
         "heads": ("tensor",), "act_heads": ("tensor",),
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
@@ -188,8 +188,8 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
                     raise ConfigError(f"parallel.seq_attention=ulysses splits heads over seq x tensor = {n * t}: "
                                       f"it does not divide model.{key}={v}; use ring or all_gather, or change "
                                       f"parallel.seq / model.{key}")
-    if par.sequence_parallel and t > 1 and m.seq_len % (n * t):
-        raise ConfigError(f"parallel.sequence_parallel=true splits model.seq_len={m.seq_len} over seq x tensor = "
+    if par.megatron_sp and t > 1 and m.seq_len % (n * t):
+        raise ConfigError(f"parallel.megatron_sp=true splits model.seq_len={m.seq_len} over seq x tensor = "
                           f"{n * t}, which does not divide it")
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     if s_ > 1:

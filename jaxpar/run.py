@@ -208,6 +208,7 @@ def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo]
             if resume_step is None:
                 state = trainer.init_state()
             else:
+                assert ckpt is not None  # a step to resume from comes from the checkpoints
                 state = restore_state(cfg, trainer, ckpt, resume_step, source, log)
             report = oom.report = trainer.compile(log)
         report["compile_seconds"] = round(time.perf_counter() - t0, 3)

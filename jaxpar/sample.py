@@ -36,7 +36,7 @@ def generate(trainer, params, tokenizer, prompt: str, n_tokens: int, temperature
         n = len(window[0])
         buf = np.zeros((rows, t), np.int32)
         buf[:, :n] = np.array(window)
-        arr = jax.make_array_from_callback(buf.shape, sharding, lambda idx, buf=buf: buf[idx])
+        arr = jax.make_array_from_callback(buf.shape, sharding, buf.__getitem__)
         logits = np.asarray(jax.device_get(fn(params, arr, n - 1)), np.float64)
         for r in range(rows):
             seqs[r].append(_pick(logits[r], temperature, top_k, rng))

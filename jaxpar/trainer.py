@@ -17,6 +17,7 @@ model, and the step is compiled once, with the state donated.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ class ModelAdapter:
         self.abstract = _nest((p, jax.ShapeDtypeStruct(v.shape, v.dtype)) for p, (_, v) in zip(self.paths, flat))
 
     def params_of(self, model: nnx.Module) -> dict:
-        _, state, _ = nnx.split(model, nnx.Param, ...)
+        _, state, *_ = nnx.split(model, nnx.Param, ...)
         return _nest((tuple(str(k) for k in p), v[...]) for p, v in nnx.to_flat_state(state))
 
     def model(self, params: dict) -> nnx.Module:
@@ -99,7 +100,9 @@ class Trainer:
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes, cfg.parallel.microbatches)
         self.rules = make_rules(cfg.parallel, self.mesh)
         if build_model is None:
-            from jaxpar.models import build_model
+            from jaxpar.models import build_model as default_build
+
+            build_model = default_build
         tensor, seed = self.sizes["tensor"], cfg.train.seed
         self.adapter = ModelAdapter(lambda: build_model(cfg, tensor=tensor, seed=seed))
         axes, abstract = self.adapter.axes, self.adapter.abstract
@@ -137,7 +140,7 @@ class Trainer:
                                for k in ("inputs", "targets")}
         self._step_jit = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                                  out_shardings=(self.state_shardings, None), donate_argnums=0)
-        self._compiled = None
+        self._compiled: jax.stages.Compiled | None = None  # set by compile()
         self._converters: dict = {}
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -253,7 +256,8 @@ class Trainer:
     # -- the step --------------------------------------------------------------------------------
     def loss_fn(self, params: dict, batch: dict):
         with use_rules(self.rules):
-            loss, aux = self.adapter.model(params).loss(batch["inputs"], batch["targets"])
+            model: Any = self.adapter.model(params)  # any nnx.Module with loss(inputs, targets) (class docstring)
+            loss, aux = model.loss(batch["inputs"], batch["targets"])
         return loss, aux
 
     def grads(self, params: dict, batch: dict):
@@ -324,12 +328,17 @@ class Trainer:
     def hlo_text(self) -> str:
         if self._compiled is None:
             self.compile()
-        return self._compiled.as_text()
+        assert self._compiled is not None  # compile() sets it
+        text = self._compiled.as_text()
+        if text is None:
+            raise RuntimeError("XLA gives no HLO text for the compiled train step on this backend")
+        return text
 
     def step(self, state: dict, batch: dict):
         """One optimizer step; ``state`` is donated (do not reuse it)."""
         if self._compiled is None:
             self.compile()
+        assert self._compiled is not None  # compile() sets it
         return self._compiled(state, batch)
 
     def logits(self, params: dict, tokens: jax.Array) -> jax.Array:
@@ -353,7 +362,8 @@ class Trainer:
     def local_rows(self) -> slice:
         """The contiguous rows of the global batch that this process's devices hold."""
         shape = (self.cfg.train.batch_size, self.cfg.model.seq_len)
-        idx = self.batch_sharding.addressable_devices_indices_map(shape).values()
+        idx = [i for i in self.batch_sharding.addressable_devices_indices_map(shape).values()
+               if i is not None]  # None: a device that holds no slice
         starts = [i[0].start or 0 for i in idx]
         stops = [shape[0] if i[0].stop is None else i[0].stop for i in idx]
         return slice(min(starts), max(stops))

@@ -239,3 +239,14 @@ def test_readme_commands_fit_the_eight_simulated_devices():
         cfg = load_config(root / path, over)
         sizes = axis_sizes(cfg.parallel, 8)
         check_model_fits(cfg.model, cfg.parallel, sizes)
+
+
+def test_renamed_keys_still_work_for_one_release(tmp_path, capsys):
+    """parallel.sequence_parallel (Megatron-SP) is now parallel.megatron_sp: the old name, as an
+    override or in a YAML file, sets the new key and says so on stderr."""
+    cfg = load_config(None, ["parallel.sequence_parallel=true", "parallel.tensor=2"])
+    assert cfg.parallel.megatron_sp is True and not hasattr(cfg.parallel, "sequence_parallel")
+    assert "parallel.sequence_parallel is now called parallel.megatron_sp" in capsys.readouterr().err
+    (tmp_path / "old.yaml").write_text("parallel:\n  tensor: 2\n  sequence_parallel: true\n")
+    assert load_config(tmp_path / "old.yaml").parallel.megatron_sp is True
+    assert "now called parallel.megatron_sp" in capsys.readouterr().err

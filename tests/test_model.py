@@ -56,7 +56,7 @@ def test_remat_names_reach_every_matmul():
 @pytest.mark.parametrize("style, layout", [
     ("llama", {}), ("gpt2", dict(parallel__data=2, parallel__tensor=2)),
     ("gpt2", dict(parallel__seq=2, parallel__seq_attention="ring")),
-    ("llama_gqa", dict(parallel__seq=2, parallel__tensor=2, parallel__sequence_parallel=True))],
+    ("llama_gqa", dict(parallel__seq=2, parallel__tensor=2, parallel__megatron_sp=True))],
     ids=["llama", "gpt2-data2-tensor2", "gpt2-ring-seq2", "llama-seq2-tensor2-megatron_sp"])
 def test_chunked_loss_equals_whole_batch_loss(style, layout):
     """The head + cross-entropy over chunks of 16 tokens per device (4-16 chunks here) give the loss
@@ -68,7 +68,7 @@ def test_chunked_loss_equals_whole_batch_loss(style, layout):
     cfg = config(style, model__loss_chunk_tokens=16, **layout)
     t = trainer(cfg)
     rows = cfg.train.batch_size // (t.sizes["data"] * t.sizes["expert"])
-    length = cfg.model.seq_len // (t.sizes["seq"] * (t.sizes["tensor"] if cfg.parallel.sequence_parallel else 1))
+    length = cfg.model.seq_len // (t.sizes["seq"] * (t.sizes["tensor"] if cfg.parallel.megatron_sp else 1))
     assert loss_chunks(rows, length, 16) >= 4
     chunked = loss_grads(cfg)
     assert rel_err(chunked[0], whole[0]) <= 1e-6
@@ -97,7 +97,7 @@ def _head_loss_reference(x, w, targets, vocab, layout):
 
 @pytest.mark.parametrize("layout, mesh", [
     ("vd", {}), ("dv", dict(data=2, tensor=2)), ("vd", dict(data=2, seq=2, tensor=2)),
-    ("dv", dict(data=2, tensor=4, sequence_parallel=True)), ("vd", dict(expert=2, tensor=2))],
+    ("dv", dict(data=2, tensor=4, megatron_sp=True)), ("vd", dict(expert=2, tensor=2))],
     ids=["tied-1", "untied-data2-tensor2", "tied-data2-seq2-tensor2", "untied-data2-tensor4-megatron_sp",
          "tied-expert2-tensor2"])
 def test_fused_head_loss_equals_autodiff_of_the_unfused_loss(layout, mesh):

@@ -269,7 +269,7 @@ LAYOUTS = {
     "expert2_tensor2_data2_shared_sigmoid": ("llama", dict(parallel__data=2, parallel__expert=2, parallel__tensor=2,
                                                            moe__shared_experts=1, moe__score="sigmoid")),
     "expert2_tensor4_sp_shared_sigmoid": ("llama", dict(parallel__expert=2, parallel__tensor=4,
-                                                        parallel__sequence_parallel=True, moe__shared_experts=1,
+                                                        parallel__megatron_sp=True, moe__shared_experts=1,
                                                         moe__score="sigmoid")),
 }
 _REF = {}

@@ -41,7 +41,7 @@ CASES = [
     ("llama_gqa", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2)),
     ("gpt2", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=4, parallel__data=2)),
-    ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__sequence_parallel=True)),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__megatron_sp=True)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, train__grad_accum=2)),
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4)),
     # MoE groups of [dense, MoE]: the group's inner stack is a plain scan inside its stage

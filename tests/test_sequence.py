@@ -20,9 +20,9 @@ CASES = [
     ("llama_gqa", dict(parallel__seq=2, parallel__seq_attention="ulysses")),
     *[("llama_gqa", dict(parallel__seq=2, parallel__tensor=2, parallel__data=2, parallel__seq_attention=s))
       for s in ("all_gather", "ring", "ulysses")],
-    ("gpt2", dict(parallel__tensor=4, parallel__sequence_parallel=True)),
-    ("llama_gqa", dict(parallel__tensor=4, parallel__data=2, parallel__sequence_parallel=True)),
-    ("gpt2", dict(parallel__seq=2, parallel__tensor=2, parallel__data=2, parallel__sequence_parallel=True)),
+    ("gpt2", dict(parallel__tensor=4, parallel__megatron_sp=True)),
+    ("llama_gqa", dict(parallel__tensor=4, parallel__data=2, parallel__megatron_sp=True)),
+    ("gpt2", dict(parallel__seq=2, parallel__tensor=2, parallel__data=2, parallel__megatron_sp=True)),
 ]
 
 
@@ -43,7 +43,7 @@ def test_ulysses_with_8_heads_over_seq8():
 
 
 def test_three_adamw_steps_with_ring_and_megatron_sp():
-    got = run(config("gpt2", parallel__seq=2, parallel__tensor=2, parallel__data=2, parallel__sequence_parallel=True))
+    got = run(config("gpt2", parallel__seq=2, parallel__tensor=2, parallel__data=2, parallel__megatron_sp=True))
     ref = reference("gpt2")
     for a, b in zip(got["losses"], ref["losses"]):
         assert rel_err(a, b) <= 1e-5
@@ -86,7 +86,7 @@ def test_ulysses_strategy_uses_all_to_all():
 
 
 def test_megatron_sp_reduce_scatters_instead_of_all_reducing_block_outputs():
-    with_sp = _collectives(parallel__tensor=4, parallel__data=2, parallel__sequence_parallel=True)
+    with_sp = _collectives(parallel__tensor=4, parallel__data=2, parallel__megatron_sp=True)
     without = _collectives(parallel__tensor=4, parallel__data=2)
     cfg = config("llama")
     block_out = (cfg.train.batch_size // 2) * cfg.model.seq_len * cfg.model.d_model * 4

@@ -1,5 +1,6 @@
-"""The code style CI holds the library to: ruff (pyproject.toml: line length 120, pycodestyle,
-pyflakes, bugbear) over the package, the models, the scripts, the examples and the benchmarks."""
+"""The code checks CI holds the library to (configured in pyproject.toml): ruff (line length 120,
+pycodestyle, pyflakes, bugbear) over the package, the models, the scripts, the examples and the
+benchmarks; mypy over the jaxpar package."""
 
 import subprocess
 import sys
@@ -11,4 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ruff_is_clean():
     p = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "jaxpar", "models", "train.py",
                         "examples", "benchmarks"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-2000:]
+
+
+def test_mypy_is_clean():
+    p = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--cache-dir", "/dev/null"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-2000:]

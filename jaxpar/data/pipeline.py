@@ -35,9 +35,25 @@ run would have seen, also with a different process count (the state is global, n
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 
 from jaxpar.config import ConfigError
+
+
+class Rows(Protocol):
+    """What :class:`PackedBatches` and :func:`eval_batches` read: ``pack``'s array, or a store's rows."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, ids: Any) -> np.ndarray: ...
 
 
 def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -67,7 +83,7 @@ class PackedBatches:
     where ``local_rows = len(range(global_batch)[row_slice])``. See the module docstring for the order.
     """
 
-    def __init__(self, rows: np.ndarray, global_batch: int, seed: int, row_slice: slice | np.ndarray = slice(None),
+    def __init__(self, rows: Rows, global_batch: int, seed: int, row_slice: slice | np.ndarray = slice(None),
                  key: int | None = None):
         if rows.ndim != 2 or rows.shape[1] < 2:
             raise ValueError(f"rows must be [N, seq_len + 1], got shape {rows.shape}")
@@ -84,7 +100,7 @@ class PackedBatches:
         if len(self.local) == 0:
             raise ValueError(f"row_slice {row_slice} selects no row of a global batch of {global_batch}")
         self.epoch, self.position = 0, 0
-        self._perm = (-1, None)
+        self._perm: tuple[int, np.ndarray | None] = (-1, None)
 
     # -- order ------------------------------------------------------------------------------
 
@@ -94,7 +110,9 @@ class PackedBatches:
         if cached[0] != epoch:
             entropy = [self.seed, epoch] if self.key is None else [self.seed, self.key, epoch]
             cached = self._perm = (epoch, np.random.default_rng(entropy).permutation(self.n_rows))
-        return cached[1]
+        order = cached[1]
+        assert order is not None
+        return order
 
     def row_ids(self, step: int) -> np.ndarray:
         """Indices (into ``rows``) of this process's rows of the global batch at ``step``."""
@@ -148,7 +166,7 @@ class PackedBatches:
         self.epoch, self.position = epoch, position
 
 
-def eval_batches(rows: np.ndarray, batch: int, n_batches: int,
+def eval_batches(rows: Rows, batch: int, n_batches: int,
                  row_slice: slice = slice(None)) -> list[dict[str, np.ndarray]]:
     """Validation batches: batch ``k`` is ``rows[k*batch:(k+1)*batch]`` in order, ``row_slice`` of it.
 

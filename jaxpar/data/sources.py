@@ -63,7 +63,8 @@ def text_store(cfg: Config, log=print):
         cache = Path(d.cache_dir) if d.cache_dir else (base if base.is_dir() else base.parent) / ".jaxpar-cache"
     train_text, val_text = corpus.split_train_val(docs, d.val_fraction)
     tok = tokenizer.get_tokenizer(d.tokenizer, m.vocab_size, [train_text], cache)
-    identity = "byte" if isinstance(tok, tokenizer.ByteTokenizer) else hashlib.sha256(tok.to_str().encode()).hexdigest()
+    identity = (hashlib.sha256(tok.to_str().encode()).hexdigest() if isinstance(tok, tokenizer.BPETokenizer)
+                else "byte")
     key = hashlib.sha256(f"{tokenizer.text_hash([train_text, val_text])}:{identity}".encode()).hexdigest()[:16]
     path = cache / "stores" / f"{d.source}-{key}"
     if not (path / store.INDEX).is_file():
@@ -211,6 +212,7 @@ class TokenBatches:
                               f"with the same --tokenizer")
         self.stores = stores
         self.tokenizer = stores[0].tokenizer()
+        self.batches: MixedBatches | pipeline.PackedBatches
         train = [s.rows("train", m.seq_len, m.vocab_size) for s in stores]
         val = [s.rows("val", m.seq_len, m.vocab_size) for s in stores]
         if d.mix:

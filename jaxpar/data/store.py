@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -73,7 +74,9 @@ class ShardWriter:
     def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int, shards: list | None = None):
         self.root, self.split, self.dtype, self.shard_tokens = root, split, np.dtype(dtype), int(shard_tokens)
         self.shards = list(shards or [])  # finished shards: {"file", "tokens", "max_id", "sha256"}
-        self._f, self._hash, self._tokens, self._max = None, None, 0, -1
+        self._f: BinaryIO | None = None
+        self._hash: Any = None
+        self._tokens, self._max = 0, -1
 
     @property
     def open_tokens(self) -> int:
@@ -84,9 +87,10 @@ class ShardWriter:
             name = shard_name(self.split, len(self.shards))
             self._f = open(self.root / (name + ".tmp"), "wb")
             self._hash, self._tokens, self._max = hashlib.sha256(), 0, -1
+        f = self._f
         if len(ids):
             b = np.asarray(ids).astype(self.dtype, copy=False).tobytes()
-            self._f.write(b)
+            f.write(b)
             self._hash.update(b)
             self._tokens += len(ids)
             self._max = max(self._max, int(np.max(ids)))

@@ -48,8 +48,8 @@ class ByteTokenizer:
     can sample them), with U+FFFD.
     """
 
-    vocab_size = 256
-    eos_id = None
+    vocab_size: int = 256
+    eos_id: int | None = None
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)

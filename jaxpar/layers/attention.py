@@ -72,6 +72,7 @@ class Attention(nnx.Module):
         k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
         if self.q_bias is not None:
             q = q + constrain_weight(self.q_bias[...], ("heads", "head_dim")).astype(self.dtype)
+        if self.v_bias is not None:  # both biases or neither (use_bias)
             v = v + constrain_weight(self.v_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
         q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))
         if self.rope_theta is not None:

@@ -135,9 +135,11 @@ def choose(choice: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: int, 
 
 def _fits(kernel: str, t: int | None, s: int | None, platform: str) -> bool:
     """Sequence lengths the kernel's blocks can tile (None: not known yet)."""
-    if kernel == "pallas" and platform == "tpu" and t is not None:
+    if t is None or s is None:
+        return True
+    if kernel == "pallas" and platform == "tpu":
         return t % 128 == 0 and s % 128 == 0
-    if kernel == "cudnn" and t is not None:
+    if kernel == "cudnn":
         return t % 2 == 0 and s % 2 == 0
     return True
 

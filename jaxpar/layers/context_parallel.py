@@ -31,10 +31,12 @@ rematerialised in the backward, so its memory is one ``[T/N, T/N]`` block per he
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.layers.attention_ops import NEG, attention
 from jaxpar.layers.precision import f32_einsum
@@ -186,7 +188,7 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     """
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
-    if mesh is None or mesh.size == 1:
+    if rules is None or mesh is None or mesh.size == 1:
         return attention(q, k, v, kernel, q_pos=positions, k_pos=positions)
     strategy = rules.seq_attention
     if strategy is None:
@@ -206,7 +208,8 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     p = rules.params
     qs = p.spec(("batch", "length", "act_heads", "act_head_dim"))
     ks = p.spec(("batch", "length", "act_kv_heads", "act_head_dim"))
-    specs, args = (qs, ks, ks), (q, k, v)
+    specs: tuple[P, ...] = (qs, ks, ks)
+    args: tuple[Any, ...] = (q, k, v)
     if positions is not None:
         specs, args = specs + (p.spec(("length",)),), args + (positions,)
     # check_vma=False: under vmap (pipeline stages) JAX 0.10's varying-axes check rejects the ring's

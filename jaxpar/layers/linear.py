@@ -5,7 +5,7 @@ communication. ``RowParallelLinear`` splits its *input* features over ``tensor``
 MLP-down): each device holds a partial sum, and constraining the output to be replicated over
 ``tensor`` makes XLA insert the one all-reduce per block that Megatron prescribes.
 
-With Megatron sequence parallelism (``parallel.sequence_parallel``) the residual stream is split
+With Megatron sequence parallelism (``parallel.megatron_sp``) the residual stream is split
 along the sequence over ``tensor``; the two layers then run in a ``shard_map`` with the collectives
 written out: all-gather of the input before a column-parallel matmul, reduce-scatter of the output
 of a row-parallel one (their transposes in the backward are the reverse pair). Which dims are split is decided by the

@@ -56,7 +56,7 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     n_tokens = b * t
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
-    if mesh is None or mesh.size == 1:
+    if rules is None or mesh is None or mesh.size == 1:
         kernel = _Kernel(vocab_size, layout, dtype, chunk_tokens, n_tokens, (), (), False)
         return _differentiable(kernel.__call__)(x, w, targets)
     big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
@@ -162,6 +162,7 @@ class _Kernel:
         loss = self._psum(loss, self.token_axes) / self.n_tokens
         if not grads:
             return loss
+        assert dw is not None  # the scan accumulates it from dw0 when grads
         # summed over tensor in float32 (in bfloat16 XLA:CPU's all-reduce promotion aborts on it,
         # combined with the loss's float32 sum)
         dx = jnp.swapaxes(dx, 0, 1).reshape(b, t, d)

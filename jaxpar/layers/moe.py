@@ -147,14 +147,16 @@ class MoE(nnx.Module):
                  dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"unknown expert kind {kind!r}; choose gelu or swiglu")
+        # a library caller's mistake names the argument (and the config key train.py users set)
         if score not in SCORES:
-            raise ConfigError(f"moe.score={score!r} is not a valid choice; choose one of {', '.join(SCORES)}")
+            raise ConfigError(f"MoE(score={score!r}) (config key moe.score): choose one of {', '.join(SCORES)}")
         if shared_experts < 0:
-            raise ConfigError(f"moe.shared_experts={shared_experts} must be >= 0")
+            raise ConfigError(f"MoE(shared_experts={shared_experts}) (config key moe.shared_experts) must be >= 0")
         if not 1 <= top_k <= n_experts:
-            raise ConfigError(f"moe.top_k={top_k} must be between 1 and moe.n_experts={n_experts}")
+            raise ConfigError(f"MoE(top_k={top_k}) (config key moe.top_k) must be between 1 and "
+                              f"n_experts={n_experts}")
         if not dropless and not capacity_factor > 0:
-            raise ConfigError(f"moe.capacity_factor={capacity_factor} must be > 0")
+            raise ConfigError(f"MoE(capacity_factor={capacity_factor}) (config key moe.capacity_factor) must be > 0")
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
         self.score, self.dtype = score, dtype
@@ -164,6 +166,7 @@ class MoE(nnx.Module):
                        if shared_experts else None)
         init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
         self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", "router"))
+        self.in_axes: tuple[str, ...]
         if kind == "swiglu":
             self.in_axes = ("experts", "expert_embed", "fused", "mlp")
             w_in = init(rngs.params(), (n_experts, d_model, 2, d_ff), param_dtype)
@@ -189,7 +192,7 @@ class MoE(nnx.Module):
         weights = (self.router[...], self.w_in[...], self.w_out[...])
         rules = active_rules()
         mesh = None if rules is None else rules.mesh
-        if mesh is None:
+        if rules is None or mesh is None:
             return self._local(x, *weights, ax=_Axes())
         big = lambda axes: tuple(a for a in axes if mesh.shape[a] > 1)  # noqa: E731
         tensor = big(rules.compute.axes("mlp"))

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.partitioning import active_rules, constrain
+from jaxpar.partitioning import RuleSet, active_rules, constrain
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -42,9 +42,16 @@ def stage_major_order(n_layers: int, stages: int, repeats: int) -> np.ndarray:
     return np.array([(r * stages + s) * lg + j for s in range(stages) for r in range(repeats) for j in range(lg)])
 
 
+def _rules() -> RuleSet:
+    rules = active_rules()
+    if rules is None:
+        raise RuntimeError("the pipeline runs under jaxpar rules (partitioning.use_rules) on a mesh with a pipe axis")
+    return rules
+
+
 def _shift_forward(stages: int):
     """``state[s] -> state[s+1]`` over ``pipe`` by one ``ppermute`` (the last stage sends nothing)."""
-    rules = active_rules()
+    rules = _rules()
     spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
     perm = [(s, s + 1) for s in range(stages - 1)]
     return jax.shard_map(lambda x: jax.lax.ppermute(x, "pipe", perm), mesh=rules.mesh, in_specs=spec, out_specs=spec)
@@ -52,7 +59,7 @@ def _shift_forward(stages: int):
 
 def _last_stage(stages: int):
     """``state[S-1]`` on every pipe device: one all-reduce (a broadcast from the last stage)."""
-    rules = active_rules()
+    rules = _rules()
     spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
     out = rules.params.spec(("batch", "res_length", "act_embed"))
 
