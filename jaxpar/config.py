@@ -231,6 +231,10 @@ class MoEConfig:
                                       "ceil(top_k * tokens * capacity_factor / n_experts); overflow tokens are "
                                       "dropped.", range=ABOVE_ZERO)
     dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused).")
+    dispatch: str = _f("capacity", "How tokens reach their experts: capacity (slots of every expert, E x "
+                                   "capacity rows, all-to-all over expert) or sorted (dropless only: assignments "
+                                   "sorted by expert and run as a grouped matmul, compute ~ top_k x tokens; not yet "
+                                   "with parallel.expert > 1).", ("capacity", "sorted"))
     every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).",
                     range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)
@@ -546,6 +550,12 @@ def validate_moe(cfg: Config) -> None:
                           f"a multiple of {ep} or parallel.expert among {divisors}")
     if cfg.model.n_layers % e.every:
         raise ConfigError(f"moe.every={e.every} must divide model.n_layers={cfg.model.n_layers}")
+    if e.dispatch == "sorted" and not e.dropless:
+        raise ConfigError("moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true, or "
+                          "moe.dispatch=capacity")
+    if e.dispatch == "sorted" and ep > 1:
+        raise ConfigError(f"moe.dispatch=sorted with parallel.expert={ep} is not implemented yet (it needs a ragged "
+                          f"exchange over expert); use moe.dispatch=capacity, or parallel.expert=1")
 
 
 def config_table() -> str:

@@ -49,7 +49,7 @@ class MoEBlock(Block):
             return MoE(cfg.d_model, moe.d_ff or cfg.d_ff, moe.n_experts, moe.top_k,
                        capacity_factor=moe.capacity_factor, dropless=moe.dropless, renormalize=moe.renormalize,
                        kind=cfg.mlp, init_std=cfg.init_std, out_init_std=out_std, shared_experts=moe.shared_experts,
-                       score=moe.score, dtype=dtype,
+                       score=moe.score, dispatch=moe.dispatch, dtype=dtype,
                        param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts)

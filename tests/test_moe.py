@@ -165,6 +165,11 @@ CASES = {  # name: (layer options, mesh overrides, devices, groups = devices spl
     "sigmoid_shared2_drop": (dict(k=2, cf=0.6, kind="swiglu", score="sigmoid", shared_experts=2), None, 1, 1),
     "sigmoid_shared1_data2_expert2_tensor2_no_drop": (dict(k=2, cf=4.0, score="sigmoid", shared_experts=1),
                                               ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"], 8, 4),
+    # dropless by sorting: a grouped matmul over the routed assignments only (moe.dispatch=sorted)
+    "sorted_dropless_one_device": (dict(k=2, cf=0.1, dropless=True, dispatch="sorted"), None, 1, 1),
+    "sorted_dropless_swiglu_sigmoid_shared1_data2_tensor2": (
+        dict(k=3, cf=0.1, kind="swiglu", score="sigmoid", shared_experts=1, dropless=True, dispatch="sorted"),
+        ["parallel.data=2", "parallel.tensor=2"], 4, 2),
 }
 
 
@@ -271,6 +276,9 @@ LAYOUTS = {
     "expert2_tensor4_sp_shared_sigmoid": ("llama", dict(parallel__expert=2, parallel__tensor=4,
                                                         parallel__megatron_sp=True, moe__shared_experts=1,
                                                         moe__score="sigmoid")),
+    # dropless by sorting (a grouped matmul over the routed assignments), under Megatron-SP
+    "sorted_data2_tensor4_sp": ("llama", dict(parallel__data=2, parallel__tensor=4, parallel__megatron_sp=True,
+                                              moe__dropless=True, moe__dispatch="sorted")),
 }
 _REF = {}
 
@@ -372,6 +380,10 @@ def test_run_writes_moe_metrics(tmp_path):
     (["moe.capacity_factor=-1.5"], "moe.capacity_factor=-1.5 is out of range: it must be > 0"),
     (["moe.every=3"], "moe.every=3 must divide model.n_layers=4"),
     (["model.arch=dense"], "choose one of gpt, moe"),
+    (["moe.dispatch=sorted"], "moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true"),
+    (["moe.dispatch=sorted", "moe.dropless=true", "parallel.expert=2"],
+     "moe.dispatch=sorted with parallel.expert=2 is not implemented yet"),
+    (["moe.dispatch=ragged"], "moe.dispatch='ragged' is not a valid choice; choose one of capacity, sorted"),
 ])
 def test_bad_moe_config(over, needle):
     with pytest.raises(ConfigError) as e:
@@ -417,3 +429,67 @@ def test_deepseek_style_config_trains_through_train_py(tmp_path):
     hlo = (tmp_path / "train_step.hlo.txt").read_text()
     # the shared expert's fused up-projection [d_model, 2, 64] keeps half of its 64 hidden units per device
     assert "f32[128,2,32]" in hlo
+
+
+@pytest.mark.parametrize("impl", ["tiles", "ragged_dot"])
+def test_sorted_experts_equal_the_per_assignment_sum(impl):
+    """``sorted_experts`` against a float64 loop over every (token, choice), for skewed routing (one
+    expert takes most assignments, one none), both grouped-matmul implementations, with gradients."""
+    from jaxpar.layers.moe import sorted_experts
+
+    rng = np.random.default_rng(3)
+    g, k, e, d, f = 40, 2, 6, 8, 12
+    x = rng.normal(size=(g, d))
+    experts = np.stack([rng.choice([0, 0, 0, 1, 2, 4, 5], g), rng.choice([1, 2, 3, 5], g)], 1)
+    gates = rng.uniform(0.1, 1, size=(g, k))
+    w_in, w_out = rng.normal(size=(e, d, 2, f)) / 3, rng.normal(size=(e, f, d)) / 3
+
+    def ref(x, gates, w_in, w_out):
+        out = []
+        for t in range(g):
+            y = 0
+            for j in range(k):
+                h = jnp.einsum("d,dhf->hf", x[t], w_in[experts[t, j]])
+                y = y + gates[t, j] * ((h[0] / (1 + jnp.exp(-h[0])) * h[1]) @ w_out[experts[t, j]])
+            out.append(y)
+        return jnp.stack(out)
+
+    def got(x, gates, w_in, w_out):
+        return sorted_experts(x, jnp.asarray(experts), gates, w_in, w_out, "swiglu", impl)
+
+    args32 = [jnp.asarray(a, jnp.float32) for a in (x, gates, w_in, w_out)]
+    ct = rng.normal(size=(g, d))
+    y = jax.jit(got)(*args32)
+    gr = jax.jit(jax.grad(lambda *a: jnp.sum(got(*a) * ct), argnums=(0, 1, 2, 3)))(*args32)
+    with jax.enable_x64(True):
+        args64 = [jnp.asarray(a, jnp.float64) for a in (x, gates, w_in, w_out)]
+        y_ref = ref(*args64)
+        gr_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2, 3))(*args64)
+    assert rel_err(y, y_ref) <= 1e-5
+    for a, b in zip(gr, gr_ref):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_sorted_dispatch_computes_the_routed_tokens_only():
+    """At E=64 experts, top-2, the compiled expert matmuls of moe.dispatch=sorted (forward) are within
+    1.2x of top_k x tokens x FFN flops; the capacity path's dropless mode computes every expert on every
+    token (E/k = 32x). Printed: both flop counts and the temp memory of both programs."""
+    from jaxpar.hlo import matmul_flops
+
+    g, d, f, e, k = 1024, 32, 64, 64, 2
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, g // 4, d)), jnp.float32)
+    useful = k * g * 2 * d * f * 2  # up and down projections, 2 flops per multiply-add
+    router = 2 * g * d * e
+    out = {}
+    for dispatch in ("sorted", "capacity"):
+        m = MoE(d, f, e, k, dropless=True, dispatch=dispatch, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(m)
+        compiled = jax.jit(lambda s, x: nnx.merge(graphdef, s).apply(x)[0]).lower(state, x).compile()
+        flops = matmul_flops(compiled.as_text()) - router
+        out[dispatch] = (flops, compiled.memory_analysis().temp_size_in_bytes)
+    print(f"expert flops: sorted {out['sorted'][0]:.3g} ({out['sorted'][0] / useful:.2f}x of k x tokens x FFN), "
+          f"capacity-dropless {out['capacity'][0]:.3g} ({out['capacity'][0] / useful:.1f}x); temp bytes: sorted "
+          f"{out['sorted'][1]:,}, capacity-dropless {out['capacity'][1]:,}")
+    assert useful <= out["sorted"][0] <= 1.2 * useful
+    assert out["capacity"][0] >= 0.9 * (e / k) * useful
+    assert out["sorted"][1] * 8 < out["capacity"][1]

@@ -60,6 +60,10 @@ direction (forward and backward each do two). Tokens stay on their data/expert d
 replicas over ``data`` hold the same experts, and their gradients are summed by ``shard_map``'s
 transpose. The all-to-all here is the dense (capacity-padded) ``jax.lax.all_to_all``, which every
 backend runs; a ragged (dropless, unpadded) exchange is not implemented.
+
+``dispatch="sorted"`` (dropless only, no expert parallelism yet) replaces steps 1-4 with
+:func:`sorted_experts`: the ``G*k`` assignments sorted by expert and run as a grouped matmul, so
+compute and memory scale with ``k*G``, not with ``E*G`` as capacity-dropless does.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class Routing(NamedTuple):
 
 
 SCORES = ("softmax", "sigmoid")
+DISPATCH = ("capacity", "sorted")
 
 
 def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True, score: str = "softmax") -> Routing:
@@ -116,6 +121,62 @@ def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True
     keep = pos < capacity
     slot = jnp.where(keep, experts * capacity + pos, e * capacity)
     return Routing(probs, gates, experts, keep, slot, jnp.sum(onehot, axis=(0, 1)))
+
+
+def _ffn(h, kind: str):
+    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if kind == "swiglu" else jax.nn.gelu(h, approximate=True)
+
+
+def tile_rows(assignments: int, n_experts: int) -> int:
+    """Rows per tile of the CPU grouped matmul: each expert's rows are padded to a multiple of it, so the
+    padding (at most ``E * (m - 1)`` rows) stays within 1/8 of the assignments."""
+    return max(1, min(128, assignments // (8 * n_experts)))
+
+
+def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles"):
+    """Dropless experts at the cost of the routed assignments: ``x [G, d]``, ``experts``/``gates [G, k]``
+    -> ``y [G, d] = sum_j gates_tj FFN_{experts_tj}(x_t)``.
+
+    The ``G*k`` assignments are sorted by expert (stable), so each expert's rows are contiguous, and the
+    experts run as a grouped matmul: ``impl="ragged_dot"`` is ``jax.lax.ragged_dot`` (cuBLAS / Mosaic
+    grouped GEMM on GPU / TPU; XLA:CPU compiles it as a dense matmul over every expert), ``"tiles"``
+    pads each expert's rows to a multiple of :func:`tile_rows` and scans over the tiles, each one
+    expert's matmul: compute ``<= (G*k + E*(m-1)) * FFN``, whatever the routing. Results are unsorted
+    and combined with the gates.
+    """
+    g, d = x.shape
+    k, e = experts.shape[1], w_in.shape[0]
+    a = g * k
+    flat = experts.reshape(a)
+    order = jnp.argsort(flat, stable=True)                     # assignment ids, grouped by expert
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)     # rows of each expert
+    xs = jnp.take(x, order // k, axis=0)                       # [A, d] tokens in sorted order
+    fused = w_in.reshape(e, d, -1)                             # [E, d, (2) f]
+    if impl == "ragged_dot":
+        h = jax.lax.ragged_dot(xs, fused, sizes).reshape(a, *w_in.shape[2:])
+        ys = jax.lax.ragged_dot(_ffn(checkpoint_name(h, "mlp_up"), kind), w_out, sizes)
+    else:
+        m = tile_rows(a, e)
+        padded = (sizes + m - 1) // m * m
+        ends = jnp.cumsum(padded)
+        se = flat[order]
+        dest = (ends - padded)[se] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[se]   # row in the padded buffer
+        n_tiles = -(-(a + e * (m - 1)) // m)
+        buf = jnp.zeros((n_tiles * m, d), x.dtype).at[dest].set(xs)
+        # the expert whose padded rows hold tile j: how many experts end at or before its first row
+        # (a comparison, not jnp.searchsorted, which does not trace inside shard_map with check_vma)
+        owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * m)[:, None], axis=1), e - 1)
+
+        def tile(_, inp):
+            rows, i = inp
+            h = jnp.einsum("md,dh->mh", rows, fused[i]).reshape(m, *w_in.shape[2:])
+            return None, jnp.einsum("mf,fd->md", _ffn(checkpoint_name(h, "mlp_up"), kind), w_out[i])
+
+        _, out = jax.lax.scan(tile, None, (buf.reshape(n_tiles, m, d), owner))
+        ys = jnp.take(out.reshape(n_tiles * m, d), dest, axis=0)
+    ys = checkpoint_name(ys, "mlp_down")
+    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys)           # back to assignment order
+    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, d), gates)
 
 
 class _Axes(NamedTuple):
@@ -144,7 +205,7 @@ class MoE(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
                  dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dispatch: str = "capacity", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"unknown expert kind {kind!r}; choose gelu or swiglu")
         # a library caller's mistake names the argument (and the config key train.py users set)
@@ -155,11 +216,17 @@ class MoE(nnx.Module):
         if not 1 <= top_k <= n_experts:
             raise ConfigError(f"MoE(top_k={top_k}) (config key moe.top_k) must be between 1 and "
                               f"n_experts={n_experts}")
+        if dispatch not in DISPATCH:
+            raise ConfigError(f"MoE(dispatch={dispatch!r}) (config key moe.dispatch): choose one of "
+                              f"{', '.join(DISPATCH)}")
+        if dispatch == "sorted" and not dropless:
+            raise ConfigError("MoE(dispatch='sorted') is the dropless path: pass dropless=True (config key "
+                              "moe.dropless)")
         if not dropless and not capacity_factor > 0:
             raise ConfigError(f"MoE(capacity_factor={capacity_factor}) (config key moe.capacity_factor) must be > 0")
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
-        self.score, self.dtype = score, dtype
+        self.score, self.dispatch, self.dtype = score, dispatch, dtype
         # always-on experts: one dense MLP of width S * d_ff (the sum of S experts' outputs), no biases
         self.shared = (MLP(d_model, shared_experts * d_ff, kind=kind, use_bias=False, init_std=init_std,
                            out_init_std=out_init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -234,6 +301,18 @@ class MoE(nnx.Module):
             # over tensor on [tokens, d_model] here, not on the capacity-padded (larger) dispatch buffer
             # (under Megatron-SP the all-gather above already makes them per-rank copies)
             tokens = jax.lax.pcast(tokens, ax.tensor, to="varying")
+        if self.dispatch == "sorted":
+            if ax.expert:
+                raise ConfigError("moe.dispatch=sorted with parallel.expert > 1 is not implemented yet; use "
+                                  "moe.dispatch=capacity")
+            impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
+            y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in.astype(self.dtype),
+                               w_out.astype(self.dtype), self.kind, impl).reshape(b, t, d)
+            if ax.sp:
+                y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
+            elif ax.tensor:
+                y = jax.lax.psum(y, ax.tensor)
+            return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
         rows = jnp.broadcast_to(tokens[:, None, :], (g, k, d))
         buf = jnp.zeros((e * cap, d), self.dtype).at[r.slot].add(rows, mode="drop").reshape(e, cap, d)
         if ax.expert:  # [E, C, d] -> [E/ep, ep*C, d]: my experts' slots from every device of my expert group
