@@ -212,8 +212,7 @@ class Preparer:
         if progress:
             done = sum(s.tokens for s in splits.values())
             self.log(f"prepare: resuming {out} after {done:,} tokens (input file {cursor[0] + 1} of {len(self.files)})")
-        start_bytes = self.bases[cursor[0]] + (cursor[1] if cursor[0] < len(self.files) and
-                                               self.files[cursor[0]].suffix.lower() not in (".json", ".parquet") else 0)
+        start_bytes = self._position(cursor)
         t0, text_bytes = time.perf_counter(), 0
         batch: list[str] = []
         cursors: list = []  # the input position after each document of the batch

@@ -108,6 +108,19 @@ def mix_quotas(weights: list[float], batch: int) -> list[int]:
     return q.tolist()
 
 
+def local_placement(quotas: list[int], row_slice: slice) -> list[tuple[np.ndarray, np.ndarray]]:
+    """For each store: (positions in this process's share of the batch that it fills, the indices of
+    those rows within the store's rows of the batch), by :func:`mix_slots`."""
+    slots = mix_slots(quotas)
+    local = np.arange(len(slots))[row_slice]
+    out = []
+    for k in range(len(quotas)):
+        mine = np.nonzero(slots[local] == k)[0]
+        rank = np.cumsum(slots == k) - 1  # slot j's index within store k's rows of the batch
+        out.append((mine, rank[local[mine]]))
+    return out
+
+
 def mix_slots(quotas: list[int]) -> np.ndarray:
     """Which store fills each slot of the global batch: the stores interleaved evenly (each slot goes
     to the store furthest behind its share), the same in every batch."""
@@ -131,16 +144,12 @@ class MixedBatches:
     """
 
     def __init__(self, rows: list, quotas: list[int], seed: int, row_slice: slice):
-        b = sum(quotas)
-        self.slots = mix_slots(quotas)
-        local = np.arange(b)[row_slice]
-        self.parts = []  # (store k, PackedBatches over store k's local rows, positions in the local batch)
-        for k, (r, q) in enumerate(zip(rows, quotas)):
-            mine = np.nonzero(self.slots[local] == k)[0]
-            rank = np.cumsum(self.slots == k) - 1  # slot j's index within store k's rows of the batch
-            pb = pipeline.PackedBatches(r, q, seed, rank[local[mine]] if len(mine) else slice(0, 1), key=k)
+        self.parts = []  # (PackedBatches over store k's rows of this process, positions in the local batch)
+        for k, (r, q, (mine, idx)) in enumerate(zip(rows, quotas, local_placement(quotas, row_slice))):
+            pb = pipeline.PackedBatches(r, q, seed, idx if len(mine) else slice(0, 1), key=k)
             self.parts.append((pb, mine))
-        self.n_local, self.seq_len = len(local), rows[0].shape[1] - 1
+        self.n_local = len(np.arange(sum(quotas))[row_slice])
+        self.seq_len = rows[0].shape[1] - 1
         self.step = 0
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
@@ -177,20 +186,18 @@ class MixedBatches:
 def _mixed_eval(vals: list, quotas: list[int], n_batches: int, row_slice: slice) -> list[dict]:
     """Validation batches of a mixture: batch ``k`` takes rows ``[k*q, (k+1)*q)`` of each store's
     validation split (in order), placed as in training."""
-    slots = mix_slots(quotas)
-    local = np.arange(sum(quotas))[row_slice]
+    placement = local_placement(quotas, row_slice)
+    n_local = len(np.arange(sum(quotas))[row_slice])
     n = min(len(v) // q for v, q in zip(vals, quotas))
     if n < 1:
         raise ConfigError("a store's validation split holds fewer rows than its share of one eval batch; "
                           "prepare it with a larger --val-fraction")
     out = []
     for k in range(min(n, n_batches)):
-        rows = np.empty((len(local), vals[0].shape[1]), np.int32)
-        for s, (v, q) in enumerate(zip(vals, quotas)):
-            mine = np.nonzero(slots[local] == s)[0]
-            rank = np.cumsum(slots == s) - 1
+        rows = np.empty((n_local, vals[0].shape[1]), np.int32)
+        for v, q, (mine, idx) in zip(vals, quotas, placement):
             if len(mine):
-                rows[mine] = v[k * q + rank[local[mine]]]
+                rows[mine] = v[k * q + idx]
         out.append(pipeline.split_rows(rows))
     return out
 

@@ -307,12 +307,20 @@ class MoE(nnx.Module):
                                   "moe.dispatch=capacity")
             impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
             y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in.astype(self.dtype),
-                               w_out.astype(self.dtype), self.kind, impl).reshape(b, t, d)
-            if ax.sp:
-                y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
-            elif ax.tensor:
-                y = jax.lax.psum(y, ax.tensor)
-            return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
+                               w_out.astype(self.dtype), self.kind, impl)
+        else:
+            y = self._capacity_experts(tokens, r, w_in, w_out, cap, ax)
+        y = y.reshape(b, t, d)
+        if ax.sp:  # the row-parallel partial sums, reduced and split over the sequence again
+            y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
+        elif ax.tensor:  # the row-parallel down-projection's partial sums
+            y = jax.lax.psum(y, ax.tensor)
+        return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
+
+    def _capacity_experts(self, tokens, r: Routing, w_in, w_out, cap: int, ax: _Axes):
+        """``tokens [G, d]`` through their kept experts via capacity slots (and all-to-all over expert)."""
+        g, d = tokens.shape
+        e, k = self.n_experts, self.top_k
         rows = jnp.broadcast_to(tokens[:, None, :], (g, k, d))
         buf = jnp.zeros((e * cap, d), self.dtype).at[r.slot].add(rows, mode="drop").reshape(e, cap, d)
         if ax.expert:  # [E, C, d] -> [E/ep, ep*C, d]: my experts' slots from every device of my expert group
@@ -323,13 +331,7 @@ class MoE(nnx.Module):
         # combine: each token sums its k slots weighted by its gates (dropped slots read 0)
         picked = jnp.take(out.reshape(e * cap, d), r.slot, axis=0, mode="fill", fill_value=0)
         weights = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
-        y = jnp.einsum("gkd,gk->gd", picked, weights)
-        y = y.reshape(b, t, d)
-        if ax.sp:  # the row-parallel partial sums, reduced and split over the sequence again
-            y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
-        elif ax.tensor:  # the row-parallel down-projection's partial sums
-            y = jax.lax.psum(y, ax.tensor)
-        return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
+        return jnp.einsum("gkd,gk->gd", picked, weights)
 
     def _experts(self, buf, w_in, w_out):
         """``buf [E_local, N, d]`` through each local expert's FFN (remat names ``mlp_up``, ``mlp_down``)."""
