@@ -229,12 +229,16 @@ class MoEConfig:
     top_k: int = _f(2, "Experts each token is routed to (<= n_experts).", range=POSITIVE)
     capacity_factor: float = _f(1.25, "Expert capacity per group of tokens (one device's tokens) = "
                                       "ceil(top_k * tokens * capacity_factor / n_experts); overflow tokens are "
-                                      "dropped.", range=ABOVE_ZERO)
-    dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused).")
+                                      "dropped. With moe.dispatch=sorted and parallel.expert > 1: the rows sent to "
+                                      "each peer per exchange round, as a multiple of the balanced share.",
+                                range=ABOVE_ZERO)
+    dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused "
+                               "by the capacity dispatch).")
     dispatch: str = _f("capacity", "How tokens reach their experts: capacity (slots of every expert, E x "
                                    "capacity rows, all-to-all over expert) or sorted (dropless only: assignments "
-                                   "sorted by expert and run as a grouped matmul, compute ~ top_k x tokens; not yet "
-                                   "with parallel.expert > 1).", ("capacity", "sorted"))
+                                   "sorted by expert and run as a grouped matmul, compute ~ top_k x tokens; over "
+                                   "parallel.expert the rows move in all-to-all rounds of capacity_factor x the "
+                                   "balanced share).", ("capacity", "sorted"))
     every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).",
                     range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)
@@ -245,6 +249,11 @@ class MoEConfig:
     shared_experts: int = _f(0, "Always-on experts beside the routed ones (DeepSeek-MoE), each of width moe.d_ff; "
                                 "run as one dense MLP of width shared_experts * moe.d_ff, tensor-parallel.",
                              range=NONNEGATIVE)
+    bias_update_rate: float = _f(0.0, "Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert routing bias "
+                                      "(chooses experts, not part of the gates, no gradient) moved by this much "
+                                      "after every step, down for experts above the mean load, up for those "
+                                      "below; 0 = off. DeepSeek-V3 used 0.001 (with moe.aux_loss_weight ~ 0).",
+                                 range=NONNEGATIVE)
     aux_loss_weight: float = _f(0.01, "Weight of the Switch load-balancing loss E * sum_i f_i P_i (summed over MoE "
                                       "layers).", range=NONNEGATIVE)
     z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).",
@@ -536,6 +545,11 @@ def validate(cfg: Config) -> None:
     validate_moe(cfg)
 
 
+SORTED_PIPE = ("moe.dispatch=sorted with parallel.pipe > 1 is not supported yet: the pipeline runs its stages as a "
+               "vmap, and JAX cannot batch the grouped matmul's loops inside the layer's shard_map there; use "
+               "moe.dispatch=capacity (with moe.dropless=true for no drops) when pipelining")
+
+
 def validate_moe(cfg: Config) -> None:
     """MoE keys (checked only for ``model.arch=moe``)."""
     if cfg.model.arch != "moe":
@@ -553,9 +567,8 @@ def validate_moe(cfg: Config) -> None:
     if e.dispatch == "sorted" and not e.dropless:
         raise ConfigError("moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true, or "
                           "moe.dispatch=capacity")
-    if e.dispatch == "sorted" and ep > 1:
-        raise ConfigError(f"moe.dispatch=sorted with parallel.expert={ep} is not implemented yet (it needs a ragged "
-                          f"exchange over expert); use moe.dispatch=capacity, or parallel.expert=1")
+    if e.dispatch == "sorted" and cfg.parallel.pipe > 1:
+        raise ConfigError(SORTED_PIPE)
 
 
 def config_table() -> str:

@@ -64,6 +64,7 @@ class ModelAdapter:
     def __init__(self, build):
         self.build = build
         abstract = nnx.eval_shape(build)
+        self.abstract_model = abstract
         self.graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree.leaves(rest):
             raise TypeError("jaxpar models may only hold nnx.Param state")
@@ -87,7 +88,11 @@ class Trainer:
 
     ``build_model(cfg, tensor=, seed=)`` creates the model; by default the ``model.arch`` registry of
     :mod:`jaxpar.models`. Its ``loss(inputs, targets)`` returns ``(loss, metrics)``; a ``ce_loss`` metric, when
-    present, is what evaluation reports (the loss may carry auxiliary terms).
+    present, is what evaluation reports (the loss may carry auxiliary terms). A model may define
+    ``after_update(params, metrics) -> (params, metrics)``: a pure function run in the step after the
+    optimizer update (skipped with it on a non-finite step), for parameters moved by a rule rather than
+    a gradient (the MoE routing bias); its gradient-free parameters get zero gradients, which AdamW
+    turns into zero updates (they are not weight-decayed: no ``embed`` dim).
     """
 
     def __init__(self, cfg: Config, mesh=None, build_model=None):
@@ -295,6 +300,9 @@ class Trainer:
         grad_norm = optax.tree.norm(grads)
         updates, opt = self.tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        after = getattr(self.adapter.abstract_model, "after_update", None)
+        if after is not None:  # a model's update of non-gradient parameters (class docstring)
+            params, aux = after(params, aux)
         # A non-finite loss or gradient (an inf/NaN in any leaf makes the norm non-finite) skips the
         # update: parameters and optimizer state (its step counts included) stay bit-identical.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

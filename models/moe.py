@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import MoEConfig, ModelConfig
-from jaxpar.layers import MoE
+from jaxpar.layers import MoE, balance_bias
 from jaxpar.partitioning import constrain
 from jaxpar.models.gpt import DTYPES, GPT, Block, scan_blocks, stacked
 
@@ -49,7 +49,7 @@ class MoEBlock(Block):
             return MoE(cfg.d_model, moe.d_ff or cfg.d_ff, moe.n_experts, moe.top_k,
                        capacity_factor=moe.capacity_factor, dropless=moe.dropless, renormalize=moe.renormalize,
                        kind=cfg.mlp, init_std=cfg.init_std, out_init_std=out_std, shared_experts=moe.shared_experts,
-                       score=moe.score, dispatch=moe.dispatch, dtype=dtype,
+                       score=moe.score, dispatch=moe.dispatch, bias_update_rate=moe.bias_update_rate, dtype=dtype,
                        param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts)
@@ -105,9 +105,29 @@ class MoETransformer(GPT):
         aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
         n = stats["aux_loss"].shape[0]
         total = ce + m.aux_loss_weight * aux + m.z_loss_weight * z
-        return total, {**metrics, "ce_loss": ce, "moe_aux_loss": aux / n, "moe_z_loss": z / n,
-                       "moe_drop_fraction": jnp.mean(stats["drop_fraction"]),
-                       "moe_expert_load": jnp.mean(stats["expert_load"], axis=0)}
+        out = {**metrics, "ce_loss": ce, "moe_aux_loss": aux / n, "moe_z_loss": z / n,
+               "moe_drop_fraction": jnp.mean(stats["drop_fraction"]),
+               "moe_expert_load": jnp.mean(stats["expert_load"], axis=0)}
+        if m.bias_update_rate > 0:  # each MoE layer's load, for after_update (which removes it from the metrics)
+            out["moe_layer_load"] = stats["expert_load"]
+        return total, out
+
+    def after_update(self, params: dict, aux: dict) -> tuple[dict, dict]:
+        """The trainer's post-optimizer hook: with ``moe.bias_update_rate`` > 0, each MoE layer's routing
+        bias takes one balancing step (:func:`jaxpar.layers.moe.balance_bias`) from that layer's expert
+        load in this batch (``aux["moe_layer_load"] [groups, E]``, in the parameters' storage order).
+        Returns the new parameters and the metrics without the per-layer loads; ``moe_load_max_min``
+        reports the max/min expert load of the batch, averaged over MoE layers (1 = balanced)."""
+        if self.moe_cfg.bias_update_rate <= 0:
+            return params, aux
+        aux = dict(aux)
+        load = aux.pop("moe_layer_load")
+        mlp = params["blocks"]["moe"]["mlp"]
+        bias = balance_bias(mlp["router_bias"], load, self.moe_cfg.bias_update_rate)
+        params = {**params, "blocks": {**params["blocks"], "moe": {**params["blocks"]["moe"],
+                                                                     "mlp": {**mlp, "router_bias": bias}}}}
+        aux["moe_load_max_min"] = jnp.mean(jnp.max(load, axis=-1) / jnp.maximum(jnp.min(load, axis=-1), 1))
+        return params, aux
 
 
 def build_model(cfg: ModelConfig, moe: MoEConfig, *, tensor: int = 1, seed: int = 0) -> MoETransformer:

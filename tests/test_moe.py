@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_trees_close, config, first_step, rel_err, trainer
+from helpers import assert_trees_close, batches, config, first_step, rel_err, trainer
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layers import MoE, expert_capacity
 from jaxpar.mesh import make_mesh
@@ -66,6 +66,7 @@ def reference(p: dict, x: np.ndarray, *, groups: int, k: int, cf: float, renorma
     xs = np.asarray(x, np.float64).reshape(b * t, d)
     wr = np.asarray(p["router"], np.float64)
     n_exp = wr.shape[1]
+    bias = np.asarray(p.get("router_bias", np.zeros(n_exp)), np.float64)  # chooses experts, not in the gates
     g = b * t // groups
     cap = g if dropless else min(g, math.ceil(k * g * cf / n_exp))
     plan, load, dropped = [], np.zeros(n_exp), 0
@@ -74,7 +75,7 @@ def reference(p: dict, x: np.ndarray, *, groups: int, k: int, cf: float, renorma
         tokens = range(grp * g, (grp + 1) * g)
         orders, kept = {}, {i: [] for i in tokens}
         for i in tokens:
-            orders[i] = [int(e) for e in np.argsort(-_scores(xs[i] @ wr, score, np), kind="stable")[:k]]
+            orders[i] = [int(e) for e in np.argsort(-(_scores(xs[i] @ wr, score, np) + bias), kind="stable")[:k]]
         for j in range(k):  # choice rank first, then token order
             for i in tokens:
                 e = orders[i][j]
@@ -170,6 +171,18 @@ CASES = {  # name: (layer options, mesh overrides, devices, groups = devices spl
     "sorted_dropless_swiglu_sigmoid_shared1_data2_tensor2": (
         dict(k=3, cf=0.1, kind="swiglu", score="sigmoid", shared_experts=1, dropless=True, dispatch="sorted"),
         ["parallel.data=2", "parallel.tensor=2"], 4, 2),
+    # ... with the experts split over `expert`: rows exchanged in rounds (all-to-all), skewed routing included
+    "sorted_expert8_small_rounds": (dict(k=3, cf=0.3, dropless=True, dispatch="sorted"), ["parallel.expert=8"], 8, 8),
+    "sorted_data2_expert4": (dict(k=2, cf=1.25, dropless=True, dispatch="sorted"),
+                             ["parallel.data=2", "parallel.expert=4"], 8, 8),
+    "sorted_swiglu_sigmoid_shared1_expert2_tensor2_data2": (
+        dict(k=2, cf=0.5, kind="swiglu", score="sigmoid", shared_experts=1, dropless=True, dispatch="sorted"),
+        ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"], 8, 4),
+    # auxiliary-loss-free balancing: a (random, here) routing bias chooses the experts, the gates stay unbiased
+    "bias_one_device_no_drop": (dict(k=2, cf=4.0, bias_update_rate=0.01), None, 1, 1),
+    "bias_sigmoid_sorted_data2_expert2_tensor2": (
+        dict(k=2, cf=1.0, score="sigmoid", dropless=True, dispatch="sorted", bias_update_rate=0.01),
+        ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2"], 8, 4),
 }
 
 
@@ -178,6 +191,8 @@ def test_layer_matches_per_token_reference(case):
     opts, over, n_dev, groups = CASES[case]
     m = _layer(**opts)
     rng = np.random.default_rng(1)
+    if m.router_bias is not None:  # large enough to change the choices (checked below through the grads)
+        m.router_bias[...] = jnp.asarray(rng.normal(size=E) * 0.2, jnp.float32)
     x = jnp.asarray(rng.normal(size=(8, 4, D)), jnp.float32)
     ct = jnp.asarray(rng.normal(size=(8, 4, D)), jnp.float32)
     y, stats, grads = _run_layer(m, x, ct, over, n_dev)
@@ -186,7 +201,10 @@ def test_layer_matches_per_token_reference(case):
     assert_trees_close(jax.device_get(grads), grads_ref, 1e-5, f"{case} grads ")
     for key in ("aux_loss", "z_loss", "drop_fraction", "expert_load"):
         np.testing.assert_allclose(np.asarray(stats[key]), stats_ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
-    if "no_drop" in case or "dropless" in case:
+    if m.router_bias is not None:  # the bias did change the choices: without it the reference differs
+        m.router_bias[...] = jnp.zeros(E, jnp.float32)
+        assert rel_err(_reference_run(m, x, ct, groups)[0], y_ref) > 1e-2
+    if "no_drop" in case or opts.get("dropless"):
         assert stats_ref["drop_fraction"] == 0
         assert float(stats["drop_fraction"]) == 0.0  # integer counts: exactly 0, not -3e-8
     else:
@@ -266,7 +284,6 @@ def test_overflow_on_a_mesh_is_per_device_group():
 MOE = dict(model__arch="moe", moe__n_experts=8, moe__top_k=2, moe__capacity_factor=4.0, moe__d_ff=64)
 LAYOUTS = {
     "expert2": ("gpt2", dict(parallel__expert=2)),
-    "expert4": ("gpt2", dict(parallel__expert=4)),
     "expert8": ("gpt2", dict(parallel__expert=8)),
     "data2_expert4": ("gpt2", dict(parallel__data=2, parallel__expert=4)),
     # llama: DeepSeek-style options (a shared expert, sigmoid scores); under Megatron-SP the layer gathers the
@@ -381,8 +398,9 @@ def test_run_writes_moe_metrics(tmp_path):
     (["moe.every=3"], "moe.every=3 must divide model.n_layers=4"),
     (["model.arch=dense"], "choose one of gpt, moe"),
     (["moe.dispatch=sorted"], "moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true"),
-    (["moe.dispatch=sorted", "moe.dropless=true", "parallel.expert=2"],
-     "moe.dispatch=sorted with parallel.expert=2 is not implemented yet"),
+    (["moe.dispatch=sorted", "moe.dropless=true", "parallel.pipe=2", "parallel.data=4"],
+     "moe.dispatch=sorted with parallel.pipe > 1 is not supported yet"),
+    (["moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 is out of range"),
     (["moe.dispatch=ragged"], "moe.dispatch='ragged' is not a valid choice; choose one of capacity, sorted"),
 ])
 def test_bad_moe_config(over, needle):
@@ -403,7 +421,8 @@ def test_capacity_formula():
 
 
 def test_deepseek_style_config_trains_through_train_py(tmp_path):
-    """configs/deepseek_moe.yaml (fine-grained experts, a shared expert, sigmoid scores) through
+    """configs/deepseek_moe.yaml (fine-grained experts, a shared expert, sigmoid scores, dropless sorted
+    dispatch over expert, auxiliary-loss-free bias balancing) through
     `python train.py` on 8 simulated devices (data=2 x expert=2 x tensor=2): every token makes top_k
     assignments per MoE layer, the loss falls, and the shared expert's hidden units are split over tensor."""
     import os
@@ -423,7 +442,9 @@ def test_deepseek_style_config_trains_through_train_py(tmp_path):
     cfg = load_config(root / "configs/deepseek_moe.yaml", over)
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(recs) == 6 and recs[-1]["loss"] < recs[0]["loss"]
+    assert cfg.moe.dispatch == "sorted" and cfg.moe.bias_update_rate > 0  # dropless, sorted, bias-balanced
     for r in recs:
+        assert r["moe_load_max_min"] >= 1 and "moe_layer_load" not in r
         assert len(r["moe_expert_load"]) == 16
         assert sum(r["moe_expert_load"]) == pytest.approx(cfg.train.batch_size * cfg.model.seq_len * cfg.moe.top_k)
     hlo = (tmp_path / "train_step.hlo.txt").read_text()
@@ -493,3 +514,115 @@ def test_sorted_dispatch_computes_the_routed_tokens_only():
     assert useful <= out["sorted"][0] <= 1.2 * useful
     assert out["capacity"][0] >= 0.9 * (e / k) * useful
     assert out["sorted"][1] * 8 < out["capacity"][1]
+
+
+def test_expert_parallel_rounds_equal_one_device_under_skewed_routing():
+    """``exchanged_experts`` over expert=4 against ``sorted_experts`` on one device (itself checked against
+    a float64 loop above), output and gradients, when 7/8 of the first choices go to the experts of one
+    device: with rounds of the balanced share (chunk=1) that device's peers need several rounds."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.layers.moe import exchanged_experts, sorted_experts
+
+    ep, g, k, e, d, f = 4, 64, 2, 8, 16, 24
+    rng = np.random.default_rng(3)
+    first = np.where(rng.random(g) < 7 / 8, 0, rng.integers(0, e, g))
+    second = (first + 1 + rng.integers(0, e - 1, g)) % e            # a different expert
+    experts = np.stack([first, second], 1).astype(np.int32)
+    args = [jnp.asarray(a, jnp.float32) for a in (rng.normal(size=(g, d)), rng.random((g, k)),
+                                                   rng.normal(size=(e, d, 2, f)) * 0.3,
+                                                   rng.normal(size=(e, f, d)) * 0.3)]
+    ct = jnp.asarray(rng.normal(size=(g, d)), jnp.float32)
+    chunk = 1.0
+    c = math.ceil(chunk * g // ep * k / ep)
+    to_device0 = [(experts[i * g // ep:(i + 1) * g // ep] < e // ep).sum() for i in range(ep)]
+    assert max(math.ceil(n / c) for n in to_device0) >= 3  # the skew needs at least 3 rounds
+
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    spec = P("expert")
+    sharded = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+
+    def got(x, gates, w_in, w_out):
+        fn = jax.shard_map(lambda x, ex, gt, wi, wo: exchanged_experts(x, ex, gt, wi, wo, "swiglu",
+                                                                       axes=("expert",), ep=ep, chunk=chunk),
+                           mesh=mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=True)
+        return fn(x, sharded(jnp.asarray(experts)), gates, w_in, w_out)
+
+    def ref(x, gates, w_in, w_out):
+        return sorted_experts(x, jnp.asarray(experts), gates, w_in, w_out, "swiglu")
+
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)  # noqa: E731
+    y, gr = jax.jit(lambda *a: (got(*a), jax.grad(loss(got), argnums=(0, 1, 2, 3))(*a)))(*map(sharded, args))
+    y_ref, gr_ref = jax.jit(lambda *a: (ref(*a), jax.grad(loss(ref), argnums=(0, 1, 2, 3))(*a)))(*args)
+    assert rel_err(y, y_ref) <= 1e-5
+    for a, b in zip(gr, gr_ref):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_expert_parallel_sorted_exchange_moves_the_routed_rows():
+    """data=2 x expert=4, moe.dispatch=sorted: every all-to-all is over `expert`, and the largest (one
+    round's rows, forward or back) is capacity_factor x k x tokens x d_model per device: the routed rows
+    with the round's slack, not E x tokens slots as capacity-dropless would move."""
+    cf = 1.25
+    cfg = config("gpt2", **dict(MOE, moe__capacity_factor=cf, moe__every=2, moe__dropless=True,
+                                moe__dispatch="sorted"), model__n_layers=4, parallel__data=2, parallel__expert=4)
+    a2a = trainer(cfg).compile()["collectives"]["all-to-all"]
+    tokens = cfg.train.batch_size * cfg.model.seq_len // 8  # per device
+    routed = cfg.moe.top_k * tokens * cfg.model.d_model * F32
+    capacity_dropless = cfg.moe.n_experts * tokens * cfg.model.d_model * F32
+    print(f"largest all-to-all {a2a['max_bytes']:,} B = {a2a['max_bytes'] / routed:.3f} x k x tokens x d_model "
+          f"(capacity-dropless: {capacity_dropless / routed:.0f}x)")
+    assert list(a2a["by_axes"]) == ["expert"], a2a
+    assert routed <= a2a["max_bytes"] <= cf * routed * 1.001
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_bias_balancing_evens_out_a_skewed_router(score):
+    """A router skewed towards experts 0 and 1 (max/min load ~16): 500 balancing steps of ``balance_bias``
+    (DeepSeek-V3's sign rule, rate 0.002; no gradient step) on the same tokens bring max/min to ~1.1
+    (mean of the last 50 steps < 1.3; the fixed-size steps leave a small oscillation)."""
+    from jaxpar.layers import balance_bias
+
+    m = MoE(D, F, E, 2, dropless=True, dispatch="sorted", score=score, bias_update_rate=0.002, rngs=nnx.Rngs(0))
+    w = np.random.default_rng(1).normal(size=(D, E)) * 0.5
+    w[0, 0], w[0, 1] = 2.0, 1.6
+    m.router[...] = jnp.asarray(w, jnp.float32)
+    x = np.random.default_rng(0).normal(size=(8, 32, D)).astype(np.float32)
+    x[..., 0] = 1.0
+    graphdef, state = nnx.split(m)
+    load_of = jax.jit(lambda state, x: nnx.merge(graphdef, state).apply(x)[1]["expert_load"])
+    ratio = lambda load: float(jnp.max(load) / jnp.maximum(jnp.min(load), 1))  # noqa: E731
+    bias, ratios = m.router_bias[...], []
+    for _ in range(500):
+        state["router_bias"].set_value(bias)
+        load = load_of(state, x)
+        assert float(jnp.sum(load)) == 2 * 8 * 32  # dropless: every assignment is routed
+        ratios.append(ratio(load))
+        bias = balance_bias(bias, load, m.bias_update_rate)
+    print(f"{score}: max/min expert load {ratios[0]:.1f} -> {np.mean(ratios[-50:]):.2f} (mean of the last 50 "
+          f"steps); bias {np.round(bias, 3)}")
+    assert ratios[0] > 10 and np.mean(ratios[-50:]) < 1.3 and max(ratios[-20:]) < 1.5
+
+
+def test_trainer_moves_the_routing_bias_by_the_layer_loads():
+    """Through the Trainer on data=2 x expert=2 x tensor=2: after one step each MoE layer's router_bias is
+    rate * sign(mean load - load) of that layer's load in the batch (read from the loss's per-layer loads
+    at the old parameters), exactly (its gradient is 0, so AdamW adds nothing); the metrics carry
+    moe_load_max_min, not the per-layer loads."""
+    rate = 0.01
+    cfg = config("llama", **MOE, model__n_layers=2, moe__bias_update_rate=rate, moe__dropless=True,
+                 moe__dispatch="sorted", parallel__data=2, parallel__expert=2, parallel__tensor=2)
+    t = trainer(cfg)
+    state = t.init_state()
+    batch = t.place_batch(batches(cfg, 1)[0])
+    _, aux = jax.jit(t.loss_fn)(state["params"], batch)
+    load = np.asarray(aux["moe_layer_load"])                         # [MoE layers, E]
+    new, metrics = t.step(state, batch)
+    bias = np.asarray(new["params"]["blocks"]["moe"]["mlp"]["router_bias"])
+    assert load.shape == (2, 8) and load.sum() == 2 * cfg.train.batch_size * cfg.model.seq_len * 2
+    assert np.any(load != load.mean(1, keepdims=True))  # not balanced: the bias moves
+    np.testing.assert_array_equal(bias, rate * np.sign(load.mean(1, keepdims=True) - load).astype(np.float32))
+    assert "moe_layer_load" not in metrics
+    ratio = np.mean(load.max(1) / np.maximum(load.min(1), 1))
+    assert float(metrics["moe_load_max_min"]) == pytest.approx(ratio, rel=1e-6)

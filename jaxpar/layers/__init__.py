@@ -11,11 +11,12 @@ from jaxpar.layers.embedding import (VocabParallelEmbed, padded_init, padded_voc
 from jaxpar.layers.loss import head_cross_entropy
 from jaxpar.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from jaxpar.layers.mlp import MLP
-from jaxpar.layers.moe import MoE, Routing, expert_capacity, route
+from jaxpar.layers.moe import MoE, Routing, balance_bias, expert_capacity, route
 from jaxpar.layers.norm import LayerNorm, RMSNorm, make_norm
 
 __all__ = [
     "Attention", "attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init", "padded_vocab",
     "vocab_logits", "vocab_parallel_cross_entropy", "head_cross_entropy", "ColumnParallelLinear", "ParallelLinear",
-    "RowParallelLinear", "MLP", "LayerNorm", "RMSNorm", "make_norm", "MoE", "Routing", "expert_capacity", "route",
+    "RowParallelLinear", "MLP", "LayerNorm", "RMSNorm", "make_norm", "MoE", "Routing", "balance_bias",
+    "expert_capacity", "route",
 ]

@@ -4,7 +4,8 @@ Math, for one *group* of ``G`` tokens ``x_t`` (a group is the tokens one device 
 
     logits = x W_r                        [G, E]  (float32), probs p = softmax(logits)
                                           (score=sigmoid: p = sigmoid(logits), DeepSeek-V3)
-    (g_tj, e_tj)_{j<k} = top_k(p_t)       gates and expert ids; g_t /= sum_j g_tj if renormalize
+    e_t = top_k ids of (p_t + b)          b: the routing bias (0 unless bias balancing is on)
+    g_tj = p_{t, e_tj}                    gates: the unbiased scores; g_t /= sum_j g_tj if renormalize
     C = min(G, ceil(k G capacity_factor / E))     capacity of each expert (C = G when dropless)
     pos_tj = #{(s, i) before (t, j) in choice-major order (i, then s) with e_si = e_tj}
     y_t = sum_j [pos_tj < C] g_tj FFN_{e_tj}(x_t)
@@ -22,6 +23,11 @@ choice never takes the slot of a later token's first choice), and within a rank 
 Because capacity is per group, the result depends on the grouping (the mesh) only when something
 is dropped; with enough capacity (or ``dropless``) every mesh computes the same function as one
 device.
+
+Auxiliary-loss-free balancing (DeepSeek-V3; ``bias_update_rate`` gamma > 0): a per-expert bias ``b``
+(parameter ``router_bias``, no gradient) shifts which experts are chosen but not the gates; after
+each optimizer step it moves by ``b_i += gamma * sign(mean_j load_j - load_i)`` (:func:`balance_bias`,
+applied by the trainer through the model's ``after_update``), so overloaded experts become less likely.
 
 Auxiliary losses, computed over the *whole* batch (group statistics averaged over the token-
 splitting mesh axes, so they are the same on every mesh):
@@ -59,11 +65,15 @@ Each all-to-all moves ``E*C*d_model ~= k*G*capacity_factor*d_model`` elements pe
 direction (forward and backward each do two). Tokens stay on their data/expert device otherwise;
 replicas over ``data`` hold the same experts, and their gradients are summed by ``shard_map``'s
 transpose. The all-to-all here is the dense (capacity-padded) ``jax.lax.all_to_all``, which every
-backend runs; a ragged (dropless, unpadded) exchange is not implemented.
+backend runs.
 
-``dispatch="sorted"`` (dropless only, no expert parallelism yet) replaces steps 1-4 with
-:func:`sorted_experts`: the ``G*k`` assignments sorted by expert and run as a grouped matmul, so
-compute and memory scale with ``k*G``, not with ``E*G`` as capacity-dropless does.
+``dispatch="sorted"`` (dropless only) replaces steps 1-4 with :func:`sorted_experts`: the ``G*k``
+assignments sorted by expert and run as a grouped matmul, so compute and memory scale with ``k*G``,
+not with ``E*G`` as capacity-dropless does. With the experts split over ``expert`` it is
+:func:`exchanged_experts`: the per-expert counts first, then the sorted rows in all-to-all rounds of
+``capacity_factor`` x the balanced share per peer (one round when the routing is balanced, more when
+it is skewed; never ``E*G`` slots). ``jax.lax.ragged_all_to_all`` (unpadded) is not used: it does not
+compile on XLA:CPU, so it could not be tested here; the rounds run on every backend.
 """
 
 from __future__ import annotations
@@ -77,8 +87,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError
+from jaxpar.config import SORTED_PIPE, ConfigError
 from jaxpar.layers.mlp import MLP
+from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
 from jaxpar.partitioning import active_rules, param
 
 
@@ -105,13 +116,19 @@ SCORES = ("softmax", "sigmoid")
 DISPATCH = ("capacity", "sorted")
 
 
-def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True, score: str = "softmax") -> Routing:
-    """Scores (softmax, or sigmoid per expert), top-k, and the capacity positions by choice rank: all
-    first choices (in token order) before any second choice, and so on."""
+def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True, score: str = "softmax",
+          bias: jax.Array | None = None) -> Routing:
+    """Scores (softmax, or sigmoid per expert), top-k (of the scores plus ``bias [E]``, which chooses the
+    experts but is not part of the gates and has no gradient), and the capacity positions by choice
+    rank: all first choices (in token order) before any second choice, and so on."""
     g, e = logits.shape
     logits = logits.astype(jnp.float32)
     probs = jax.nn.sigmoid(logits) if score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    gates, experts = jax.lax.top_k(probs, top_k)
+    if bias is None:
+        gates, experts = jax.lax.top_k(probs, top_k)
+    else:
+        _, experts = jax.lax.top_k(probs + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
+        gates = jnp.take_along_axis(probs, experts, axis=-1)
     if renormalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [G, k, E]
@@ -123,60 +140,12 @@ def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True
     return Routing(probs, gates, experts, keep, slot, jnp.sum(onehot, axis=(0, 1)))
 
 
-def _ffn(h, kind: str):
-    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if kind == "swiglu" else jax.nn.gelu(h, approximate=True)
-
-
-def tile_rows(assignments: int, n_experts: int) -> int:
-    """Rows per tile of the CPU grouped matmul: each expert's rows are padded to a multiple of it, so the
-    padding (at most ``E * (m - 1)`` rows) stays within 1/8 of the assignments."""
-    return max(1, min(128, assignments // (8 * n_experts)))
-
-
-def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles"):
-    """Dropless experts at the cost of the routed assignments: ``x [G, d]``, ``experts``/``gates [G, k]``
-    -> ``y [G, d] = sum_j gates_tj FFN_{experts_tj}(x_t)``.
-
-    The ``G*k`` assignments are sorted by expert (stable), so each expert's rows are contiguous, and the
-    experts run as a grouped matmul: ``impl="ragged_dot"`` is ``jax.lax.ragged_dot`` (cuBLAS / Mosaic
-    grouped GEMM on GPU / TPU; XLA:CPU compiles it as a dense matmul over every expert), ``"tiles"``
-    pads each expert's rows to a multiple of :func:`tile_rows` and scans over the tiles, each one
-    expert's matmul: compute ``<= (G*k + E*(m-1)) * FFN``, whatever the routing. Results are unsorted
-    and combined with the gates.
-    """
-    g, d = x.shape
-    k, e = experts.shape[1], w_in.shape[0]
-    a = g * k
-    flat = experts.reshape(a)
-    order = jnp.argsort(flat, stable=True)                     # assignment ids, grouped by expert
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)     # rows of each expert
-    xs = jnp.take(x, order // k, axis=0)                       # [A, d] tokens in sorted order
-    fused = w_in.reshape(e, d, -1)                             # [E, d, (2) f]
-    if impl == "ragged_dot":
-        h = jax.lax.ragged_dot(xs, fused, sizes).reshape(a, *w_in.shape[2:])
-        ys = jax.lax.ragged_dot(_ffn(checkpoint_name(h, "mlp_up"), kind), w_out, sizes)
-    else:
-        m = tile_rows(a, e)
-        padded = (sizes + m - 1) // m * m
-        ends = jnp.cumsum(padded)
-        se = flat[order]
-        dest = (ends - padded)[se] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[se]   # row in the padded buffer
-        n_tiles = -(-(a + e * (m - 1)) // m)
-        buf = jnp.zeros((n_tiles * m, d), x.dtype).at[dest].set(xs)
-        # the expert whose padded rows hold tile j: how many experts end at or before its first row
-        # (a comparison, not jnp.searchsorted, which does not trace inside shard_map with check_vma)
-        owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * m)[:, None], axis=1), e - 1)
-
-        def tile(_, inp):
-            rows, i = inp
-            h = jnp.einsum("md,dh->mh", rows, fused[i]).reshape(m, *w_in.shape[2:])
-            return None, jnp.einsum("mf,fd->md", _ffn(checkpoint_name(h, "mlp_up"), kind), w_out[i])
-
-        _, out = jax.lax.scan(tile, None, (buf.reshape(n_tiles, m, d), owner))
-        ys = jnp.take(out.reshape(n_tiles * m, d), dest, axis=0)
-    ys = checkpoint_name(ys, "mlp_down")
-    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys)           # back to assignment order
-    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, d), gates)
+def balance_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """One auxiliary-loss-free balancing step (DeepSeek-V3): ``bias [..., E] + rate * sign(mean - load)``
+    per row of ``load [..., E]`` (assignments per expert): overloaded experts' bias goes down by
+    ``rate``, underloaded ones' up; exactly balanced ones stay."""
+    mean = jnp.mean(load.astype(jnp.float32), axis=-1, keepdims=True)
+    return bias + (rate * jnp.sign(mean - load.astype(jnp.float32))).astype(bias.dtype)
 
 
 class _Axes(NamedTuple):
@@ -184,6 +153,7 @@ class _Axes(NamedTuple):
     expert: tuple = ()   # mesh axes splitting the experts (a subset of tokens)
     tensor: tuple = ()   # mesh axes splitting the expert hidden units
     sp: tuple = ()       # tensor axes that also split the sequence outside the layer (Megatron-SP)
+    ep: int = 1          # devices over the expert axes
 
 
 def _entry(axes: tuple):
@@ -199,13 +169,16 @@ class MoE(nnx.Module):
     ``w_out [experts, mlp, expert_embed]`` (``expert_embed``: the embed dim of an expert weight, which ZeRO
     splits over the batch axes other than ``expert``), and with ``shared_experts`` > 0 ``shared``, an
     :class:`~jaxpar.layers.MLP` of width ``shared_experts * d_ff`` outside the routing (tensor-parallel
-    like the dense MLP). ``score``: ``softmax`` or ``sigmoid`` router scores.
+    like the dense MLP). ``score``: ``softmax`` or ``sigmoid`` router scores. ``bias_update_rate`` > 0
+    adds ``router_bias [router]`` (zeros; chooses experts, no gradient), which the caller moves after
+    each optimizer step with :func:`balance_bias` and ``stats["expert_load"]`` (the trainer does it).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
                  dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
-                 dispatch: str = "capacity", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dispatch: str = "capacity", bias_update_rate: float = 0.0, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         if kind not in ("gelu", "swiglu"):
             raise ValueError(f"unknown expert kind {kind!r}; choose gelu or swiglu")
         # a library caller's mistake names the argument (and the config key train.py users set)
@@ -222,17 +195,23 @@ class MoE(nnx.Module):
         if dispatch == "sorted" and not dropless:
             raise ConfigError("MoE(dispatch='sorted') is the dropless path: pass dropless=True (config key "
                               "moe.dropless)")
-        if not dropless and not capacity_factor > 0:
+        if not bias_update_rate >= 0:
+            raise ConfigError(f"MoE(bias_update_rate={bias_update_rate}) (config key moe.bias_update_rate) must "
+                              f"be >= 0")
+        if not capacity_factor > 0:
             raise ConfigError(f"MoE(capacity_factor={capacity_factor}) (config key moe.capacity_factor) must be > 0")
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
         self.score, self.dispatch, self.dtype = score, dispatch, dtype
+        self.bias_update_rate = bias_update_rate
         # always-on experts: one dense MLP of width S * d_ff (the sum of S experts' outputs), no biases
         self.shared = (MLP(d_model, shared_experts * d_ff, kind=kind, use_bias=False, init_std=init_std,
                            out_init_std=out_init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                        if shared_experts else None)
         init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
         self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", "router"))
+        self.router_bias = (param(jnp.zeros((n_experts,), jnp.float32), ("router",)) if bias_update_rate > 0
+                            else None)
         self.in_axes: tuple[str, ...]
         if kind == "swiglu":
             self.in_axes = ("experts", "expert_embed", "fused", "mlp")
@@ -256,7 +235,8 @@ class MoE(nnx.Module):
         return y, stats
 
     def _routed(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        weights = (self.router[...], self.w_in[...], self.w_out[...])
+        weights = (self.router[...], self.w_in[...], self.w_out[...],
+                   None if self.router_bias is None else self.router_bias[...])
         rules = active_rules()
         mesh = None if rules is None else rules.mesh
         if rules is None or mesh is None:
@@ -270,22 +250,24 @@ class MoE(nnx.Module):
             raise ConfigError(f"expert parallelism needs the experts axes {expert} to split the tokens too "
                               f"(the batch rule maps to {batch})")
         sp = tuple(a for a in big(rules.params.axes("res_length")) if a in tensor)
-        ax = _Axes(batch + length, expert, tensor, sp)
+        ax = _Axes(batch + length, expert, tensor, sp, math.prod(mesh.shape[a] for a in expert))
         manual = set(ax.tokens) | set(expert) | set(tensor)
         if manual and mesh.shape["pipe"] > 1:  # inside the pipeline's vmap over stages (spmd axis `pipe`)
             manual.add("pipe")
+            if self.dispatch == "sorted":
+                raise ConfigError(SORTED_PIPE)
         if not manual:
             return self._local(x, *weights, ax=ax)
         x_spec = P(_entry(batch), _entry(length + sp))  # Megatron-SP: sequence-split over tensor too
-        w_specs = tuple(rules.compute.spec(n, w.shape, "MoE weight")
-                        for n, w in zip((("embed", "router"), self.in_axes, self.out_axes), weights))
+        w_specs = tuple(None if w is None else rules.compute.spec(n, w.shape, "MoE weight")
+                        for n, w in zip((("embed", "router"), self.in_axes, self.out_axes, ("router",)), weights))
         stats_spec = {k: P() for k in ("aux_loss", "z_loss", "drop_fraction", "expert_load")}
         fn = jax.shard_map(lambda *a: self._local(*a, ax=ax), mesh=mesh, in_specs=(x_spec, *w_specs),
                            out_specs=(x_spec, stats_spec), axis_names=manual, check_vma=True)
         return fn(x, *weights)
 
     # -- one device's work --------------------------------------------------------------------
-    def _local(self, x, w_router, w_in, w_out, *, ax: _Axes):
+    def _local(self, x, w_router, w_in, w_out, bias, *, ax: _Axes):
         if ax.sp:  # Megatron-SP: the sequence gathered over tensor here (its transpose: a reduce-scatter)
             x = jax.lax.all_gather(x, ax.sp, axis=1, tiled=True)
         b, t, d = x.shape
@@ -293,7 +275,7 @@ class MoE(nnx.Module):
         cap = expert_capacity(g, e, k, self.capacity_factor, self.dropless)
         xt = x.reshape(g, d)
         logits = jnp.einsum("gd,de->ge", xt.astype(jnp.float32), w_router.astype(jnp.float32))
-        r = route(logits, k, cap, self.renormalize, self.score)
+        r = route(logits, k, cap, self.renormalize, self.score, bias)
         # dispatch: every kept assignment copies its token into its expert's slot (dropped: index E*C, discarded)
         tokens = xt.astype(self.dtype)
         if ax.tensor and not ax.sp:
@@ -302,12 +284,16 @@ class MoE(nnx.Module):
             # (under Megatron-SP the all-gather above already makes them per-rank copies)
             tokens = jax.lax.pcast(tokens, ax.tensor, to="varying")
         if self.dispatch == "sorted":
-            if ax.expert:
-                raise ConfigError("moe.dispatch=sorted with parallel.expert > 1 is not implemented yet; use "
-                                  "moe.dispatch=capacity")
             impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
-            y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in.astype(self.dtype),
-                               w_out.astype(self.dtype), self.kind, impl)
+            w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
+            if ax.expert:
+                # every operand varying over the same axes, so the rounds' custom VJP returns gradients of
+                # the primal's type (the replicas' weight gradients are then summed by the pcast's transpose)
+                w_in, w_out, tokens = (varying(v, ax.tokens + ax.tensor) for v in (w_in, w_out, tokens))
+                y = exchanged_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind,
+                                      axes=ax.expert, ep=ax.ep, chunk=self.capacity_factor, impl=impl)
+            else:
+                y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind, impl)
         else:
             y = self._capacity_experts(tokens, r, w_in, w_out, cap, ax)
         y = y.reshape(b, t, d)

@@ -1,0 +1,171 @@
+"""Dropless experts at the cost of the routed assignments: a grouped matmul over the assignments sorted
+by expert (:func:`sorted_experts`) and, with the experts split over mesh axes, the sorted rows exchanged
+in all-to-all rounds (:func:`exchanged_experts`, differentiable through :func:`sum_rounds`). Used by
+:class:`jaxpar.layers.MoE` with ``dispatch="sorted"``; see :mod:`jaxpar.layers.moe` for the math.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+def _ffn(h, kind: str):
+    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if kind == "swiglu" else jax.nn.gelu(h, approximate=True)
+
+
+def tile_rows(assignments: int, n_experts: int) -> int:
+    """Rows per tile of the CPU grouped matmul: each expert's rows are padded to a multiple of it, so the
+    padding (at most ``E * (m - 1)`` rows) stays within 1/8 of the assignments."""
+    return max(1, min(128, assignments // (8 * n_experts)))
+
+
+def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles"):
+    """Dropless experts at the cost of the routed assignments: ``x [G, d]``, ``experts``/``gates [G, k]``
+    -> ``y [G, d] = sum_j gates_tj FFN_{experts_tj}(x_t)``.
+
+    The ``G*k`` assignments are sorted by expert (stable), so each expert's rows are contiguous, and the
+    experts run as a grouped matmul: ``impl="ragged_dot"`` is ``jax.lax.ragged_dot`` (cuBLAS / Mosaic
+    grouped GEMM on GPU / TPU; XLA:CPU compiles it as a dense matmul over every expert), ``"tiles"``
+    pads each expert's rows to a multiple of :func:`tile_rows` and scans over the tiles, each one
+    expert's matmul: compute ``<= (G*k + E*(m-1)) * FFN``, whatever the routing. Results are unsorted
+    and combined with the gates.
+    """
+    g, d = x.shape
+    k, e = experts.shape[1], w_in.shape[0]
+    a = g * k
+    flat = experts.reshape(a)
+    order = jnp.argsort(flat, stable=True)                     # assignment ids, grouped by expert
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)     # rows of each expert
+    xs = jnp.take(x, order // k, axis=0)                       # [A, d] tokens in sorted order
+    fused = w_in.reshape(e, d, -1)                             # [E, d, (2) f]
+    if impl == "ragged_dot":
+        h = jax.lax.ragged_dot(xs, fused, sizes).reshape(a, *w_in.shape[2:])
+        ys = jax.lax.ragged_dot(_ffn(checkpoint_name(h, "mlp_up"), kind), w_out, sizes)
+    else:
+        m = tile_rows(a, e)
+        padded = (sizes + m - 1) // m * m
+        ends = jnp.cumsum(padded)
+        se = flat[order]
+        dest = (ends - padded)[se] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[se]   # row in the padded buffer
+        n_tiles = -(-(a + e * (m - 1)) // m)
+        buf = jnp.zeros((n_tiles * m, d), x.dtype).at[dest].set(xs)
+        # the expert whose padded rows hold tile j: how many experts end at or before its first row
+        # (a comparison, not jnp.searchsorted, which does not trace inside shard_map with check_vma)
+        owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * m)[:, None], axis=1), e - 1)
+
+        def tile(_, inp):
+            rows, i = inp
+            h = jnp.einsum("md,dh->mh", rows, fused[i]).reshape(m, *w_in.shape[2:])
+            return None, jnp.einsum("mf,fd->md", _ffn(checkpoint_name(h, "mlp_up"), kind), w_out[i])
+
+        _, out = jax.lax.scan(tile, None, (buf.reshape(n_tiles, m, d), owner))
+        ys = jnp.take(out.reshape(n_tiles * m, d), dest, axis=0)
+    ys = checkpoint_name(ys, "mlp_down")
+    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys)           # back to assignment order
+    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, d), gates)
+
+
+def _sum_rounds_impl(body, n, plan, *args):
+    acc = body(0, plan, *args)                  # round 0 always runs (there is at least one assignment)
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] + body(c[0], plan, *args)),
+                              (1, acc))[1]
+
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def sum_rounds(body, n, plan, *args):
+    """``sum_{r < n} body(r, plan, *args)`` for a traced round count ``n >= 1``, differentiable in ``args``.
+
+    A ``while_loop`` with a data-dependent trip count has no reverse-mode derivative in JAX; this one's
+    backward is a second loop over the same rounds that accumulates each round's ``jax.vjp`` (the round's
+    forward runs again there: its collectives are re-issued, nothing per round is stored). ``plan`` is
+    integer data (no gradient); ``body`` must give every round the same output type."""
+    return _sum_rounds_impl(body, n, plan, *args)
+
+
+def _sum_rounds_fwd(body, n, plan, *args):
+    return _sum_rounds_impl(body, n, plan, *args), (n, plan, args)
+
+
+def _sum_rounds_bwd(body, res, ct):
+    n, plan, args = res
+
+    def grads(r):
+        return jax.vjp(lambda *a: body(r, plan, *a), *args)[1](ct)
+
+    acc = grads(0)
+    acc = jax.lax.while_loop(lambda c: c[0] < n,
+                             lambda c: (c[0] + 1, jax.tree.map(jnp.add, c[1], grads(c[0]))), (1, acc))[1]
+    return (None, None, *acc)
+
+
+sum_rounds.defvjp(_sum_rounds_fwd, _sum_rounds_bwd)
+
+
+def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple, ep: int, chunk: float = 1.25,
+                      impl: str = "tiles"):
+    """Dropless experts split over the mesh axes ``axes`` (``ep`` devices, ``w_in [E/ep, ...]`` the local
+    experts): ``x [G, d]``, ``experts``/``gates [G, k]`` (global expert ids) -> ``y [G, d]`` as
+    :func:`sorted_experts` computes it on one device. Call inside ``shard_map`` (manual over ``axes``).
+
+    1. The ``A = G*k`` assignments are sorted by expert, hence by the device holding it; the per-expert
+       counts ``[ep, E/ep]`` go first, in one small all-to-all, so each device knows what it receives.
+    2. The rows move in *rounds*: each round every device sends each peer up to ``c = ceil(chunk*A/ep)``
+       of its rows (one all-to-all of ``[ep, c, d]``: ``chunk`` x the balanced share), the receiver
+       runs its experts on the ``ep*c`` rows as one grouped matmul (:func:`sorted_experts`, padding rows
+       gated 0) and a second all-to-all returns the results. The number of rounds is the largest
+       ``ceil(rows to one peer / c)`` over the expert group (a ``pmax``): 1 for balanced routing, at most
+       ``ceil(ep/chunk)`` when every row goes to one device. Each round's buffers are ``[ep, c, d]``, so
+       memory and bytes per round follow the routed rows, never ``E*G`` slots.
+
+    This padded exchange runs on every backend (``jax.lax.ragged_all_to_all`` does not compile on
+    XLA:CPU); its padding is bounded by the largest per-peer count of the round, rounded up to ``c``.
+    """
+    g, d = x.shape
+    k, el = experts.shape[1], w_in.shape[0]
+    a = g * k
+    flat = experts.reshape(a)
+    order = jnp.argsort(flat, stable=True)                     # grouped by expert, so by destination device
+    xs = jnp.take(x, order // k, axis=0)                       # [A, d]
+    sizes = jnp.bincount(flat, length=el * ep).astype(jnp.int32).reshape(ep, el)   # to device j, its expert i
+    recv = jax.lax.all_to_all(sizes, axes, 0, 0, tiled=True)                     # from device j, my expert i
+    send = jnp.sum(sizes, axis=1)
+    c = max(1, math.ceil(chunk * a / ep - 1e-9))
+    n = jax.lax.pmax(jnp.max((send + c - 1) // c), axes)
+    plan = (jnp.cumsum(send) - send, send, jnp.cumsum(recv, axis=1))
+
+    def one_round(r, plan, xs, w_in, w_out):
+        start, count, ends = plan
+        q = r * c + jnp.arange(c)                              # my rows' positions in each peer's stream
+        valid = q[None, :] < count[:, None]                    # [ep, c]
+        rows = jnp.where(valid, start[:, None] + q[None, :], a)
+        out = jnp.take(xs, rows, axis=0, mode="fill", fill_value=0)
+        got = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [ep, c, d]: peer j's rows for my experts
+        lid = jnp.sum(ends[:, None, :] <= q[None, :, None], axis=-1).reshape(ep * c, 1)   # local expert; el: pad
+        ys = sorted_experts(got.reshape(ep * c, d), jnp.minimum(lid, el - 1), (lid < el).astype(xs.dtype),
+                            w_in, w_out, kind, impl)
+        back = jax.lax.all_to_all(ys.reshape(ep, c, d), axes, 0, 0, tiled=True)    # my rows' results
+        return jnp.zeros((a, d), ys.dtype).at[rows].set(back, mode="drop")
+
+    ys = checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out), "mlp_down")
+    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys)          # back to assignment order
+    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, d), gates)
+
+
+
+def _vma(v) -> frozenset:
+    """The mesh axes ``v`` varies over inside ``shard_map``: ``.manual_axis_type.varying`` (jax 0.10),
+    ``.vma`` (other versions)."""
+    t = jax.typeof(v)
+    return t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma
+
+
+def varying(v, axes):
+    """``v`` made varying over those of ``axes`` it is not yet varying over (``jax.lax.pcast``)."""
+    missing = tuple(a for a in axes if a not in _vma(v))
+    return jax.lax.pcast(v, missing, to="varying") if missing else v
