@@ -41,9 +41,10 @@ _API = {
     "Layout": "jaxpar.api", "simulate_devices": "jaxpar.api", "shard": "jaxpar.api",
     # training
     "Trainer": "jaxpar.trainer", "ModelAdapter": "jaxpar.trainer", "run": "jaxpar.run",
-    "generate": "jaxpar.sample",
+    # generation
+    "Generator": "jaxpar.generate", "Sampling": "jaxpar.generate", "generate_text": "jaxpar.generate",
 }
-_SUBMODULES = ("layers", "models", "data", "config", "mesh", "partitioning", "trainer", "run", "api")
+_SUBMODULES = ("layers", "models", "data", "config", "mesh", "partitioning", "trainer", "run", "api", "generate")
 
 __all__ = ["__version__", *_API, *_SUBMODULES]
 

@@ -218,6 +218,8 @@ class SampleConfig:
     tokens: int = _f(200, "Tokens to generate after training (0 = no sample).", range=NONNEGATIVE)
     temperature: float = _f(0.8, "Sampling temperature (0 = greedy).", range=NONNEGATIVE)
     top_k: int = _f(40, "Sample among the k most likely tokens (0 = all).", range=NONNEGATIVE)
+    top_p: float = _f(1.0, "Then among the smallest set of tokens whose probability reaches p (nucleus "
+                           "sampling; 1 = all).", range=Range(0, 1, lo_open=True))
     prompt: str = _f("ROMEO:\n", "Text the sample starts from.")
 
 

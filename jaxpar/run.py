@@ -307,7 +307,8 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
         plot_losses(metrics_log.records, out / "loss.png")
     if cfg.sample.tokens and source.tokenizer is not None and preempted is None:
         texts = generate_sample(cfg, trainer, state["params"], source.tokenizer)
-        log(f"\n--- sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}) ---\n"
+        log(f"\n--- sample (temperature {cfg.sample.temperature}, top-k {cfg.sample.top_k}, top-p {cfg.sample.top_p}) "
+            f"---\n"
             f"{cfg.sample.prompt}{texts[0]}\n---")
         if main:
             (out / "sample.txt").write_text(cfg.sample.prompt + texts[0] + "\n")
@@ -320,9 +321,11 @@ def _quiet(*_args, **_kwargs) -> None:
 
 
 def generate_sample(cfg: Config, trainer: Trainer, params, tokenizer) -> list[str]:
-    from jaxpar.sample import generate
+    """The end-of-run sample: KV-cache generation (:mod:`jaxpar.generate`) on the training mesh."""
+    from jaxpar.generate import Sampling, generate_text
 
     s = cfg.sample
-    return generate(trainer, params, tokenizer, s.prompt, s.tokens, s.temperature, s.top_k, cfg.train.seed)
+    return generate_text(trainer, params, tokenizer, s.prompt, s.tokens,
+                         Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p), seed=cfg.train.seed)
 
 

@@ -62,18 +62,34 @@ def test_user_errors_are_one_line(args, needle):
 
 
 def test_shakespeare_run_writes_everything(tmp_path):
-    """The main job's outputs, on a tiny model: validation loss, plot, TensorBoard, sample."""
+    """The main job's outputs, on a tiny model: validation loss, plot, TensorBoard, a greedy sample; then
+    `python -m jaxpar.generate` on the run's checkpoint, on another mesh (1 device), gives the same
+    completion of the run's prompt (and one for a second prompt)."""
     out = tmp_path / "s"
     p = train(*SMALL, "data.source=shakespeare", "train.steps=6", "train.eval_every=3", "train.eval_batches=1",
-              "parallel.data=2", "parallel.tensor=2", "sample.tokens=12", "model.vocab_size=300", f"data.cache_dir={tmp_path}/cache",
+              "parallel.data=2", "parallel.tensor=2", "sample.tokens=12", "sample.temperature=0",
+              "model.vocab_size=300", f"data.cache_dir={tmp_path}/cache", "checkpoint.enabled=true",
               f"train.out_dir={out}")
     ms = metrics(out)
     assert [m["step"] for m in ms if "val_loss" in m] == [2, 5]
     assert (out / "loss.png").stat().st_size > 1000
     assert list((out / "tb").glob("events.out.tfevents.*"))
-    assert (out / "sample.txt").read_text().startswith("ROMEO:")
+    sample = (out / "sample.txt").read_text()
+    assert sample.startswith("ROMEO:")
     assert "--- sample" in p.stdout and "tokenizer bpe with 300 ids" in p.stdout
     assert list((tmp_path / "cache").glob("bpe-v300-*.tokenizer.json"))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    g = subprocess.run([sys.executable, "-m", "jaxpar.generate", str(out), "--prompt", "ROMEO:\n", "--prompt",
+                        "JULIET:\nO", "--tokens", "12", "parallel.data=1", "parallel.tensor=1"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert g.returncode == 0, g.stderr[-3000:]
+    completions = g.stdout.split("\n---\n")
+    assert completions[0] + "\n" == sample and completions[1].startswith("JULIET:\nO")
+    assert f"{out}: step 6" in g.stderr
+    bad = subprocess.run([sys.executable, "-m", "jaxpar.generate", str(tmp_path / "nope")], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "is not a run directory" in bad.stderr
+    assert bad.stderr.count("\n") == 1
 
 
 def test_pipeline_run_reports_bubble_and_chart(tmp_path):

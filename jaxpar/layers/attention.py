@@ -23,6 +23,7 @@ from jaxpar.layers import attention_ops
 from jaxpar.layers.attention_ops import rope
 from jaxpar.layers.context_parallel import sharded_attention
 from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import constrain, constrain_weight, param
 
 
@@ -62,10 +63,9 @@ class Attention(nnx.Module):
                                    kernel_init=nnx.initializers.normal(out_init_std or init_std), **kw)
         self.dtype = dtype
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """``x [B, T, d]``; ``positions [T]``: the tokens' global positions when they are not
-        ``0..T-1`` in order (e.g. zig-zag ordered for ring attention), else None. With ``seq`` > 1
-        attention runs context-parallel."""
+    def _qkv(self, x: jax.Array, positions: jax.Array | None):
+        """Q ``[B, T, H, D]``, K and V ``[B, T, KV, D]`` of ``x``, biased, RoPE at ``positions`` (``[T]`` or
+        ``[B, T]``; None: ``0..T-1``)."""
         b, t = x.shape[:2]
         qkv = self.qkv(x)  # [B, T, KV, group + 2, D]
         q = qkv[..., : self.group, :].reshape(b, t, self.n_heads, self.head_dim)
@@ -78,6 +78,31 @@ class Attention(nnx.Module):
         if self.rope_theta is not None:
             pos = jnp.arange(t) if positions is None else positions
             q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
+        return q, k, v
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``x [B, T, d]``; ``positions [T]``: the tokens' global positions when they are not
+        ``0..T-1`` in order (e.g. zig-zag ordered for ring attention), else None. With ``seq`` > 1
+        attention runs context-parallel."""
+        q, k, v = self._qkv(x, positions)
         out = sharded_attention(q, k, v, positions, self.kernel)
         out = checkpoint_name(constrain(out, ("batch", "length", "act_heads", "act_head_dim")), "attention")
         return self.o(out)
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+        """Attention with a KV cache (generation): ``x [B, T, d]`` are the tokens at ``positions [B, T]``
+        (consecutive in each row, starting anywhere); their K and V are written into ``cache = {"k", "v"}``
+        (``[B, S, KV, D]``) at those positions, and each query attends to the cached keys at positions
+        <= its own (float32 scores and softmax, as the ``xla`` kernel). Returns the output and the cache."""
+        q, k, v = self._qkv(x, positions)
+        write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), s, axis=0))
+        start = positions[:, 0]
+        cache = {"k": write(cache["k"], k, start), "v": write(cache["v"], v, start)}
+        b, t, h, d = q.shape
+        s, kv = cache["k"].shape[1], cache["k"].shape[2]
+        qg = q.reshape(b, t, kv, h // kv, d)
+        scores = f32_einsum("btkgd,bskd->bkgts", qg, cache["k"].astype(q.dtype)) * (1.0 / d ** 0.5)
+        visible = positions[:, None, None, :, None] >= jnp.arange(s)[None, None, None, None, :]
+        p = jax.nn.softmax(jnp.where(visible, scores, attention_ops.NEG), axis=-1).astype(q.dtype)
+        out = f32_einsum("bkgts,bskd->btkgd", p, cache["v"].astype(q.dtype))
+        return self.o(out.reshape(b, t, h, d).astype(q.dtype)), cache
