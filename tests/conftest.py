@@ -12,3 +12,12 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# The longest tests go first, so that neither pytest-xdist worker is left alone with one of them at the end
+# (the order inside each module is kept: some modules reuse references computed by their earlier tests).
+FIRST = ("test_five_axes.py", "test_faults.py", "test_pipeline.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
