@@ -102,6 +102,7 @@ def test_stage_weights_are_split_over_pipe():
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def _stack_flops(**lay):
     """Matmul flops of 4 layers (an 8-layer minus a 4-layer model: embedding and head cancel)."""
     f = [trainer(config("llama", model__n_layers=n, **lay)).compile()["matmul_flops"] for n in (4, 8)]
