@@ -213,8 +213,8 @@ class Generator:
                  seed: int = 0, vocab: int | None = None) -> list[list[int]]:
         """``n_tokens`` new tokens for each prompt (lists of ids, any lengths >= 1), drawn from the first
         ``vocab`` ids (default ``model.vocab_size``); a row that hit a stop token is cut after it."""
-        seq_len = self.model_of(params).cfg.seq_len
-        vocab = vocab or self.model_of(params).cfg.vocab_size
+        cfg = self.model_of(params).cfg
+        seq_len, vocab = cfg.seq_len, vocab or cfg.vocab_size
         if not prompts or any(len(q) == 0 for q in prompts):
             raise ConfigError("every prompt needs at least one token")
         if n_tokens < 0:
@@ -302,9 +302,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(run / "config.yaml", a.overrides)
         setup_devices(cfg.parallel, cfg.distributed)
         s = cfg.sample
-        sampling = Sampling(temperature=s.temperature if a.temperature is None else a.temperature,
-                            top_k=s.top_k if a.top_k is None else a.top_k,
-                            top_p=s.top_p if a.top_p is None else a.top_p)
         n = s.tokens if a.tokens is None else a.tokens
         if n < 1:
             raise ConfigError(f"--tokens {n}: generate at least one token")
@@ -321,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             raise ConfigError(f"the run trained on data.source={cfg.data.source}, which has no tokenizer to turn "
                               "prompts into ids")
-        stop = tuple(int(i) for text in a.stop for i in tokenizer.encode(text)[:1])
-        sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, stop=stop)
+        sampling = Sampling(temperature=s.temperature if a.temperature is None else a.temperature,
+                            top_k=s.top_k if a.top_k is None else a.top_k,
+                            top_p=s.top_p if a.top_p is None else a.top_p,
+                            stop=tuple(int(i) for text in a.stop for i in tokenizer.encode(text)[:1]))
         prompts = a.prompt or [s.prompt]
         ids = [[int(i) for i in tokenizer.encode(p)] or [0] for p in prompts]
         out = for_trainer(trainer)(state["params"], ids, n, sampling, a.seed, vocab=tokenizer.vocab_size)

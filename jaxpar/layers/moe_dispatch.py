@@ -38,10 +38,8 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles
     g, d = x.shape
     k, e = experts.shape[1], w_in.shape[0]
     a = g * k
-    flat = experts.reshape(a)
-    order = jnp.argsort(flat, stable=True)                     # assignment ids, grouped by expert
+    flat, order, xs = _by_expert(x, experts)
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)     # rows of each expert
-    xs = jnp.take(x, order // k, axis=0)                       # [A, d] tokens in sorted order
     fused = w_in.reshape(e, d, -1)                             # [E, d, (2) f]
     if impl == "ragged_dot":
         h = jax.lax.ragged_dot(xs, fused, sizes).reshape(a, *w_in.shape[2:])
@@ -65,15 +63,32 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles
 
         _, out = jax.lax.scan(tile, None, (buf.reshape(n_tiles, m, d), owner))
         ys = jnp.take(out.reshape(n_tiles * m, d), dest, axis=0)
-    ys = checkpoint_name(ys, "mlp_down")
-    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys)           # back to assignment order
-    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, d), gates)
+    return _combine(checkpoint_name(ys, "mlp_down"), order, gates)
+
+
+def _by_expert(x, experts):
+    """The ``G*k`` assignments sorted by expert (stable): their expert ids ``[A]`` (assignment order), the
+    sorting permutation and the tokens ``[A, d]`` in sorted order."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return flat, order, jnp.take(x, order // experts.shape[1], axis=0)
+
+
+def _combine(ys, order, gates):
+    """Results ``[A, d]`` in sorted order -> ``y [G, d] = sum_j gates_tj * result of (t, j)``."""
+    g, k = gates.shape
+    y = jnp.zeros_like(ys).at[order].set(ys)                   # back to assignment order
+    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, -1), gates)
+
+
+def _accumulate(term, n):
+    """``sum_{r < n} term(r)`` (pytrees) for a traced ``n >= 1``: round 0, then a ``while_loop``."""
+    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jax.tree.map(jnp.add, c[1], term(c[0]))),
+                              (1, term(0)))[1]
 
 
 def _sum_rounds_impl(body, n, plan, *args):
-    acc = body(0, plan, *args)                  # round 0 always runs (there is at least one assignment)
-    return jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] + body(c[0], plan, *args)),
-                              (1, acc))[1]
+    return _accumulate(lambda r: body(r, plan, *args), n)
 
 
 
@@ -98,10 +113,7 @@ def _sum_rounds_bwd(body, res, ct):
     def grads(r):
         return jax.vjp(lambda *a: body(r, plan, *a), *args)[1](ct)
 
-    acc = grads(0)
-    acc = jax.lax.while_loop(lambda c: c[0] < n,
-                             lambda c: (c[0] + 1, jax.tree.map(jnp.add, c[1], grads(c[0]))), (1, acc))[1]
-    return (None, None, *acc)
+    return (None, None, *_accumulate(grads, n))
 
 
 sum_rounds.defvjp(_sum_rounds_fwd, _sum_rounds_bwd)
@@ -129,9 +141,7 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple,
     g, d = x.shape
     k, el = experts.shape[1], w_in.shape[0]
     a = g * k
-    flat = experts.reshape(a)
-    order = jnp.argsort(flat, stable=True)                     # grouped by expert, so by destination device
-    xs = jnp.take(x, order // k, axis=0)                       # [A, d]
+    flat, order, xs = _by_expert(x, experts)                   # grouped by expert, so by destination device
     sizes = jnp.bincount(flat, length=el * ep).astype(jnp.int32).reshape(ep, el)   # to device j, its expert i
     recv = jax.lax.all_to_all(sizes, axes, 0, 0, tiled=True)                     # from device j, my expert i
     send = jnp.sum(sizes, axis=1)
@@ -152,9 +162,7 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple,
         back = jax.lax.all_to_all(ys.reshape(ep, c, d), axes, 0, 0, tiled=True)    # my rows' results
         return jnp.zeros((a, d), ys.dtype).at[rows].set(back, mode="drop")
 
-    ys = checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out), "mlp_down")
-    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys)          # back to assignment order
-    return jnp.einsum("gkd,gk->gd", y.reshape(g, k, d), gates)
+    return _combine(checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out), "mlp_down"), order, gates)
 
 
 
