@@ -255,8 +255,8 @@ def _model_changes(saved: dict, now: dict) -> str:
     return f" ({'; '.join(diffs[:3])})" if diffs else ""
 
 
-def config_changes(saved: dict, now: dict, ignore=("parallel", "train.out_dir", "checkpoint", "distributed",
-                                                     "train.log_every", "train.eval_every",
+def config_changes(saved: dict, now: dict, ignore=("parallel", "train.out_dir", "model.init_from", "checkpoint",
+                                                     "distributed", "train.log_every", "train.eval_every",
                                                      "debug", "sample")) -> list[str]:
     """``["train.lr: 0.003 -> 0.001", ...]``: what a resumed run changed against the checkpoint's config."""
     out = []

@@ -26,9 +26,8 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user mistake in the configuration: one line naming the key and a valid choice."""
+from jaxpar import hf_config
+from jaxpar.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -115,6 +114,9 @@ class ModelConfig:
                          range=POSITIVE)
     vocab_multiple: int = _f(128, "Pad the vocabulary to a multiple of this (and of `tensor`).", range=POSITIVE)
     seq_len: int = _f(128, "Tokens per training sequence.", range=POSITIVE)
+    init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama, "
+                            "Mixtral; config.json + safetensors), whose config.json sets the architecture keys; "
+                            "a resumed run continues from its checkpoint instead. See the README.")
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
     norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
     mlp: str | None = _f(None, "gelu or swiglu (default from style).", ("gelu", "swiglu"))
@@ -480,11 +482,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         tree = loaded
         _apply_aliases(tree)
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    given = {ALIASES.get(k, k): v for k, v in items}
+    init_from = given.get("model.init_from", _get_dotted(tree, "model.init_from"))
+    fixed: dict = {}
+    if init_from:  # a Hugging Face config.json sits between the YAML file and the command line
+        fixed = hf_config.apply(tree, str(init_from), _get_dotted, _set_dotted, set(given))
     for key, value in items:
+        want = fixed.get(ALIASES.get(key, key), value)
+        if value != want and not (isinstance(value, (int, float)) and isinstance(want, float)
+                                  and math.isclose(value, want)):
+            raise ConfigError(f"{key}={value!r} contradicts model.init_from={init_from}, whose config.json has "
+                              f"{key}={want!r}; drop the override")
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
     validate(cfg)
+    if cfg.model.init_from:
+        hf_config.check(cfg)
     return cfg
+
+
+def _get_dotted(tree: dict, dotted: str) -> Any:
+    """The value at ``section.key`` of a raw config tree, or None."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def check_ranges(cfg: Config) -> None:

@@ -29,6 +29,7 @@ blocks are decoded layer by layer through :meth:`jaxpar.layers.Attention.decode`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -267,16 +268,16 @@ def generate_text(trainer, params, tokenizer, prompt: str, n_tokens: int, sampli
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxpar.generate RUN_DIR [--prompt TEXT ...] [key=value ...]``: completions from a run's
-    newest checkpoint, on the run's mesh (``parallel.*`` overrides change it; on a host without
-    accelerators it is simulated, as by ``train.py``)."""
+    """``python -m jaxpar.generate RUN_DIR|hf:DIR [--prompt TEXT ...] [key=value ...]``: completions from a
+    run's newest checkpoint or a Hugging Face model directory, on the run's mesh (``parallel.*``
+    overrides change it; on a host without accelerators it is simulated, as by ``train.py``)."""
     import sys
-    from pathlib import Path
 
     from jaxpar.cli import ArgumentParser
 
     ap = ArgumentParser(prog="python -m jaxpar.generate", description=main.__doc__)
-    ap.add_argument("run", help="a run directory (train.out_dir): its config.yaml and checkpoints")
+    ap.add_argument("run", help="a run directory (train.out_dir): its config.yaml and checkpoints; or hf:DIR, a "
+                                "Hugging Face model directory")
     ap.add_argument("--prompt", action="append", default=None,
                     help="a prompt; repeat for a batch of prompts (default: the run's sample.prompt)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens to generate (default: the run's sample.tokens)")
@@ -288,48 +289,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.data=1 parallel.tensor=2")
     a = ap.parse_intermixed_args(argv)
 
-    from jaxpar.checkpoint import CheckpointError, Checkpointer
-    from jaxpar.config import load_config
-    from jaxpar.data.sources import make_source
-    from jaxpar.mesh import setup_devices
-    from jaxpar.trainer import Trainer
+    from jaxpar.checkpoint import CheckpointError
+    from jaxpar.hf import open_run
 
-    run = Path(a.run)
+    run = a.run if a.run.startswith("hf:") else Path(a.run)
     try:
-        if not (run / "config.yaml").is_file():
-            raise ConfigError(f"{run} is not a run directory (no config.yaml); give a train.out_dir of a finished "
-                              "or saved run")
-        cfg = load_config(run / "config.yaml", a.overrides)
-        setup_devices(cfg.parallel, cfg.distributed)
-        s = cfg.sample
+        if a.tokens is not None and a.tokens < 1:
+            raise ConfigError(f"--tokens {a.tokens}: generate at least one token")
+        trainer, params, step, tokenizer = open_run(run, a.overrides)
+        s = trainer.cfg.sample
         n = s.tokens if a.tokens is None else a.tokens
-        if n < 1:
-            raise ConfigError(f"--tokens {n}: generate at least one token")
-        ckdir = Path(cfg.checkpoint.dir or run / "checkpoints")
-        ckpt = Checkpointer(ckdir, keep=cfg.checkpoint.keep, async_save=False)
-        steps = ckpt.steps()
-        if not steps:
-            ckpt.close()
-            raise CheckpointError(f"{ckdir} holds no complete checkpoint to generate from")
-        trainer = Trainer(cfg)
-        state = trainer.state_from_layer_order(ckpt.restore(steps[-1], trainer.abstract_state, cfg.to_dict())[0])
-        ckpt.close()
-        tokenizer = make_source(cfg, trainer.local_rows(), lambda *_: None).tokenizer
         if tokenizer is None:
-            raise ConfigError(f"the run trained on data.source={cfg.data.source}, which has no tokenizer to turn "
-                              "prompts into ids")
+            raise ConfigError(f"the run trained on data.source={trainer.cfg.data.source}, which has no tokenizer to "
+                              "turn prompts into ids")
         sampling = Sampling(temperature=s.temperature if a.temperature is None else a.temperature,
                             top_k=s.top_k if a.top_k is None else a.top_k,
                             top_p=s.top_p if a.top_p is None else a.top_p,
                             stop=tuple(int(i) for text in a.stop for i in tokenizer.encode(text)[:1]))
         prompts = a.prompt or [s.prompt]
         ids = [[int(i) for i in tokenizer.encode(p)] or [0] for p in prompts]
-        out = for_trainer(trainer)(state["params"], ids, n, sampling, a.seed, vocab=tokenizer.vocab_size)
+        out = for_trainer(trainer)(params, ids, n, sampling, a.seed, vocab=tokenizer.vocab_size)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
-    print(f"# {run}: step {steps[-1]}, temperature {sampling.temperature}, top-k {sampling.top_k}, "
-          f"top-p {sampling.top_p}", file=sys.stderr)
+    print(f"# {run}: {'step ' + str(step) if step is not None else 'Hugging Face weights'}, temperature "
+          f"{sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}", file=sys.stderr)
     for p, o in zip(prompts, out):
         print(p + tokenizer.decode(np.asarray(o, np.int32)))
         print("---")

@@ -205,7 +205,12 @@ def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo]
         source = make_source(cfg, rows, log)
         t0 = time.perf_counter()
         with oom:
-            if resume_step is None:
+            if resume_step is None and cfg.model.init_from:
+                from jaxpar import hf, hf_config
+
+                state = trainer.init_state(hf.load_params(trainer, hf_config.directory(cfg.model.init_from)))
+                log(f"initialised from {cfg.model.init_from} (Hugging Face {cfg.model.arch} weights)")
+            elif resume_step is None:
                 state = trainer.init_state()
             else:
                 assert ckpt is not None  # a step to resume from comes from the checkpoints

@@ -196,32 +196,43 @@ class Trainer:
                 f"{rows * m.seq_len // n // chunks} tokens per device"]
 
     # -- state -----------------------------------------------------------------------------------
-    def init_state(self) -> dict:
-        """Parameters and optimizer state, created already sharded (inside jit)."""
+    def init_state(self, params: dict | None = None) -> dict:
+        """Parameters and optimizer state, created already sharded (inside jit); ``params`` (already
+        placed with :attr:`state_shardings`, in storage order, e.g. from :func:`jaxpar.hf.load_params`)
+        replace the model's initialisation."""
 
-        def init():
-            with use_rules(self.rules):
-                params = self.adapter.params_of(self.adapter.build())
-            params = self.to_storage_order(params)
+        def init(params):
+            if params is None:
+                with use_rules(self.rules):
+                    params = self.to_storage_order(self.adapter.params_of(self.adapter.build()))
             zero = jnp.zeros((), jnp.int32)
             return {"step": zero, "params": params, "opt": self.tx.init(params), "skipped": zero}
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        if params is None:
+            return jax.jit(lambda: init(None), out_shardings=self.state_shardings)()
+        return jax.jit(init, out_shardings=self.state_shardings)(params)
+
+    def layer_order(self, n: int) -> np.ndarray:
+        """``order[p]``: the layer a stack of ``n`` layers stores at position p (stage-major under a
+        circular pipeline, see :func:`~jaxpar.layers.pipeline.stage_major_order`; else ``0..n-1``)."""
+        s, r = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
+        if s == 1 or r == 1:
+            return np.arange(n)
+        from jaxpar.layers.pipeline import stage_major_order
+
+        return np.asarray(stage_major_order(n, s, r))
 
     def _layer_permutation(self, inverse: bool):
         """The stacked-layer permutation of circular pipelines (None when storage is layer order)."""
-        s, r = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
-        if s == 1 or r == 1:
+        if self.sizes["pipe"] == 1 or self.cfg.parallel.pipeline_repeats == 1:
             return None
-        from jaxpar.layers.pipeline import stage_major_order
-
         stacked = jax.tree.map(lambda ax: bool(ax) and ax[0] == "layers", self.adapter.axes,
                                is_leaf=lambda x: isinstance(x, tuple))
 
         def permute(a, is_stacked):
             if not is_stacked:
                 return a
-            order = np.asarray(stage_major_order(a.shape[0], s, r))
+            order = self.layer_order(a.shape[0])
             return a[np.argsort(order) if inverse else order]
 
         return stacked, permute

@@ -1,0 +1,490 @@
+"""Hugging Face checkpoints in and out: GPT-2, Llama (1/2/3 conventions) and Mixtral.
+
+**Import.** ``python train.py model.init_from=hf:/path/to/dir ...`` starts a run from a local Hugging
+Face model directory (``config.json`` and ``model.safetensors`` or a sharded
+``model.safetensors.index.json``; nothing is downloaded). :mod:`jaxpar.hf_config` turns ``config.json`` into
+jaxpar keys (``model.*``, and ``moe.*`` for Mixtral), which :func:`jaxpar.config.load_config` applies
+over the YAML file's: a command-line override that contradicts one is an error naming both values, and
+a ``config.json`` option jaxpar does not implement (a RoPE scaling type, biases in Llama attention, a
+sliding window shorter than ``model.seq_len``, router jitter, ...) is an error naming the field, never
+a silently different model. Keys that are training choices stay the user's: ``model.seq_len`` (for
+GPT-2's learned positions it defaults to ``n_positions`` and may be smaller: the first rows of the
+table are used), dtypes, remat, the attention kernel. Mixtral imports as ``moe.dropless=true`` (what
+Hugging Face computes) unless set, and ``moe.aux_loss_weight`` from ``router_aux_loss_coef`` (see
+:mod:`jaxpar.layers.moe` for the conversion). A ``tokenizer.json`` in the directory becomes
+``data.tokenizer`` unless an override names one.
+
+:func:`load_params` places the weights straight onto the run's mesh with
+``jax.make_array_from_callback``: each device's callback reads, lazily from the memory-mapped
+safetensors files, only the layers its shard holds (a pipeline stage reads only its stage's layers),
+builds them in jaxpar's layout (fused QKV ``[embed, kv_heads, group + 2, head_dim]``, fused
+gate/up, padded vocabulary) and keeps its slice; no host ever holds the whole model. A tensor in the
+files that the mapping does not use is an error (a model jaxpar would load incompletely).
+
+**Export.** ``python -m jaxpar.hf RUN_DIR OUT_DIR`` (or :func:`export`) writes a run's newest
+checkpoint, from any mesh, as a directory that ``transformers`` loads with ``from_pretrained``:
+``config.json``, safetensors files of at most ``--shard-gb`` (with an index when there are several)
+in the checkpoint's parameter dtype, and ``tokenizer.json`` when the run trained or loaded one. A
+model ``transformers`` cannot express (a Llama with biases, a MoE with shared experts or a routing
+bias, ...) is an error naming the key. GPT-2's key bias is written as zeros: jaxpar has none because
+a key bias adds the same ``q . b_k`` to every score of a query, which softmax ignores.
+
+Long by design: the three architectures' weight layouts, both directions, sit side by side (each
+import rule next to its export rule), with the config translation they share.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxpar.config import Config, ConfigError, ModelConfig
+from jaxpar.hf_config import CLASSES, _arch, config_keys, directory, read_config
+
+# tensors some checkpoints carry that are buffers, not weights (causal masks, RoPE tables)
+_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def hf_config(cfg: Config) -> dict:
+    """The ``config.json`` of the Hugging Face model that computes what ``cfg``'s model computes; a model
+    that Hugging Face's GPT-2, Llama or Mixtral cannot express is an error naming the key."""
+    m = cfg.model.resolved()
+    dtype = m.param_dtype
+    if m.arch == "moe":
+        arch = "mixtral"
+    else:
+        arch = "gpt2" if m.positions == "learned" else "llama"
+    if arch == "gpt2":
+        hf: dict[str, Any] = {"n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads, "n_inner": m.d_ff,
+                              "vocab_size": m.vocab_size, "n_positions": m.seq_len, "n_ctx": m.seq_len,
+                              "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",
+                              "tie_word_embeddings": True}
+    else:
+        hf = {"num_hidden_layers": m.n_layers, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
+              "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim, "intermediate_size": m.d_ff,
+              "vocab_size": m.vocab_size, "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
+              "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+              "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
+              "mlp_bias": False}
+        if arch == "mixtral":
+            e = cfg.moe
+            hf.update({"num_local_experts": e.n_experts, "num_experts_per_tok": e.top_k,
+                       "intermediate_size": e.d_ff or m.d_ff, "router_jitter_noise": 0.0, "sliding_window": None,
+                       "router_aux_loss_coef": e.aux_loss_weight * m.n_layers / e.top_k})
+    hf.update({"model_type": arch, "architectures": [CLASSES[arch]], "torch_dtype": dtype, "dtype": dtype})
+    hard, _ = config_keys(hf)
+    if arch == "mixtral":  # every layer is MoE: the dense width is unused, the experts' is moe.d_ff or it
+        del hard["model.d_ff"]
+    for key, want in hard.items():
+        section, name = key.split(".")
+        have = getattr(m if section == "model" else cfg.moe, name)
+        have = have or m.d_ff if key == "moe.d_ff" else have
+        if have != want and not (isinstance(want, float) and math.isclose(have, want)):
+            raise ConfigError(f"{key}={have!r} cannot be exported: a Hugging Face {arch} model has {key}={want!r}")
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight layouts. Each architecture maps every jaxpar parameter (one layer's slice for a stacked
+# one) to a function of the Hugging Face tensors (``t(name)``, layer-relative names), and back.
+
+def _layer_prefix(arch: str, layer: int) -> str:
+    return f"h.{layer}." if arch == "gpt2" else f"model.layers.{layer}."
+
+
+def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int) -> tuple[str, dict[tuple, Callable]]:
+    """``(stack, {path: fn(t)})``: the stacked subtree's path prefix and each parameter's builder."""
+    d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    g = h // kv
+    if arch == "gpt2":
+        def c_attn(t):
+            return t("attn.c_attn.weight").reshape(d, 3, h, hd).transpose(0, 2, 1, 3)
+
+        return "blocks", {
+            ("attn", "qkv", "kernel"): c_attn,
+            ("attn", "q_bias"): lambda t: t("attn.c_attn.bias")[:d].reshape(h, hd),
+            ("attn", "v_bias"): lambda t: t("attn.c_attn.bias")[2 * d:].reshape(h, hd),
+            ("attn", "o", "kernel"): lambda t: t("attn.c_proj.weight").reshape(h, hd, d),
+            ("attn", "o", "bias"): lambda t: t("attn.c_proj.bias"),
+            ("mlp", "up", "kernel"): lambda t: t("mlp.c_fc.weight"),
+            ("mlp", "up", "bias"): lambda t: t("mlp.c_fc.bias"),
+            ("mlp", "down", "kernel"): lambda t: t("mlp.c_proj.weight"),
+            ("mlp", "down", "bias"): lambda t: t("mlp.c_proj.bias"),
+            ("norm1", "scale"): lambda t: t("ln_1.weight"), ("norm1", "bias"): lambda t: t("ln_1.bias"),
+            ("norm2", "scale"): lambda t: t("ln_2.weight"), ("norm2", "bias"): lambda t: t("ln_2.bias"),
+        }
+
+    def qkv(t):
+        q = t("self_attn.q_proj.weight").T.reshape(d, kv, g, hd)
+        k = t("self_attn.k_proj.weight").T.reshape(d, kv, 1, hd)
+        v = t("self_attn.v_proj.weight").T.reshape(d, kv, 1, hd)
+        return np.concatenate([q, k, v], axis=2)
+
+    layer = {("attn", "qkv", "kernel"): qkv,
+             ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d),
+             ("norm1", "scale"): lambda t: t("input_layernorm.weight"),
+             ("norm2", "scale"): lambda t: t("post_attention_layernorm.weight")}
+    if arch == "llama":
+        layer[("mlp", "up", "kernel")] = lambda t: np.stack([t("mlp.gate_proj.weight").T, t("mlp.up_proj.weight").T],
+                                                            axis=1)
+        layer[("mlp", "down", "kernel")] = lambda t: t("mlp.down_proj.weight").T
+        return "blocks", layer
+    # Mixtral: per-expert w1 (gate), w3 (up), w2 (down) as published, or transformers 5's fused layout
+
+    def expert(t, i: int, w: str):
+        return t(f"block_sparse_moe.experts.{i}.{w}.weight").T
+
+    def w_in(t):
+        if t.has("mlp.experts.gate_up_proj"):
+            gu = t("mlp.experts.gate_up_proj")  # [E, 2 ff, d]: gate rows, then up rows
+            return gu.transpose(0, 2, 1).reshape(gu.shape[0], d, 2, gu.shape[1] // 2)
+        return np.stack([np.stack([expert(t, i, "w1"), expert(t, i, "w3")], axis=1) for i in range(n_experts)])
+
+    def w_out(t):
+        if t.has("mlp.experts.down_proj"):
+            return t("mlp.experts.down_proj").transpose(0, 2, 1)
+        return np.stack([expert(t, i, "w2") for i in range(n_experts)])
+
+    def router(t):
+        return (t("mlp.gate.weight") if t.has("mlp.gate.weight") else t("block_sparse_moe.gate.weight")).T
+
+    layer.update({("mlp", "router"): router, ("mlp", "w_in"): w_in, ("mlp", "w_out"): w_out})
+    return "blocks/moe", layer
+
+
+def _to_hf(arch: str, m: ModelConfig, n_experts: int) -> dict[str, Callable]:
+    """``{layer-relative HF name: fn(p)}``, ``p(path)`` being one layer's jaxpar parameter."""
+    d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    if arch == "gpt2":
+        def c_attn_bias(p):
+            return np.concatenate([p(("attn", "q_bias")).reshape(-1), np.zeros(d, p(("attn", "q_bias")).dtype),
+                                   p(("attn", "v_bias")).reshape(-1)])
+
+        return {"attn.c_attn.weight": lambda p: p(("attn", "qkv", "kernel")).transpose(0, 2, 1, 3).reshape(d, 3 * d),
+                "attn.c_attn.bias": c_attn_bias,
+                "attn.c_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d),
+                "attn.c_proj.bias": lambda p: p(("attn", "o", "bias")),
+                "mlp.c_fc.weight": lambda p: p(("mlp", "up", "kernel")),
+                "mlp.c_fc.bias": lambda p: p(("mlp", "up", "bias")),
+                "mlp.c_proj.weight": lambda p: p(("mlp", "down", "kernel")),
+                "mlp.c_proj.bias": lambda p: p(("mlp", "down", "bias")),
+                "ln_1.weight": lambda p: p(("norm1", "scale")), "ln_1.bias": lambda p: p(("norm1", "bias")),
+                "ln_2.weight": lambda p: p(("norm2", "scale")), "ln_2.bias": lambda p: p(("norm2", "bias"))}
+    g = h // kv
+
+    def qkv_part(lo: int, hi: int):
+        return lambda p: p(("attn", "qkv", "kernel"))[:, :, lo:hi].reshape(d, -1).T
+
+    out = {"self_attn.q_proj.weight": qkv_part(0, g), "self_attn.k_proj.weight": qkv_part(g, g + 1),
+           "self_attn.v_proj.weight": qkv_part(g + 1, g + 2),
+           "self_attn.o_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d).T,
+           "input_layernorm.weight": lambda p: p(("norm1", "scale")),
+           "post_attention_layernorm.weight": lambda p: p(("norm2", "scale"))}
+    if arch == "llama":
+        out.update({"mlp.gate_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 0].T,
+                    "mlp.up_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 1].T,
+                    "mlp.down_proj.weight": lambda p: p(("mlp", "down", "kernel")).T})
+        return out
+    out["block_sparse_moe.gate.weight"] = lambda p: p(("mlp", "router")).T
+    for i in range(n_experts):
+        out[f"block_sparse_moe.experts.{i}.w1.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 0].T
+        out[f"block_sparse_moe.experts.{i}.w3.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 1].T
+        out[f"block_sparse_moe.experts.{i}.w2.weight"] = lambda p, i=i: p(("mlp", "w_out"))[i].T
+    return out
+
+
+def _top_names(arch: str, tied: bool) -> list[str]:
+    if arch == "gpt2":
+        return ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
+    return ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+
+
+_FUSED_MIXTRAL = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+# ---------------------------------------------------------------------------------------------
+# Import.
+
+class _Files:
+    """The safetensors files of a model directory, memory-mapped, read tensor by tensor."""
+
+    def __init__(self, d: Path):
+        from safetensors import safe_open
+
+        self.d, self._open = d, safe_open
+        self._handles: dict[str, Any] = {}
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = dict(json.loads(index.read_text())["weight_map"])
+        elif (d / "model.safetensors").is_file():
+            with safe_open(str(d / "model.safetensors"), "np") as f:
+                self.where = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ConfigError(f"{d} has no model.safetensors or model.safetensors.index.json (PyTorch .bin files are "
+                              "not read: convert them with transformers' save_pretrained(safe_serialization=True))")
+        # GPT-2 checkpoints are saved with or without the GPT2LMHeadModel prefix
+        self.prefix = "transformer." if any(k.startswith("transformer.") for k in self.where) else ""
+
+    def name(self, name: str) -> str:
+        full = name if name.startswith(("lm_head.", "model.")) else self.prefix + name
+        if full not in self.where:
+            raise ConfigError(f"{self.d}: tensor {full!r} is missing from the safetensors files")
+        return full
+
+    def has(self, name: str) -> bool:
+        return (name if name.startswith(("lm_head.", "model.")) else self.prefix + name) in self.where
+
+    def __call__(self, name: str) -> np.ndarray:
+        full = self.name(name)
+        file = self.where[full]
+        if file not in self._handles:
+            self._handles[file] = self._open(str(self.d / file), "np")
+        return self._handles[file].get_tensor(full)
+
+
+class _Layer:
+    """One layer's view of :class:`_Files`: ``t("attn.c_attn.weight")``, ``t.has(name)``."""
+
+    def __init__(self, files: _Files, prefix: str):
+        self.files, self.prefix = files, prefix
+
+    def __call__(self, name: str) -> np.ndarray:
+        return self.files(self.prefix + name)
+
+    def has(self, name: str) -> bool:
+        return self.files.has(self.prefix + name)
+
+
+def _pad(a: np.ndarray, size: int, axis: int) -> np.ndarray:
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return np.pad(a, widths)
+
+
+def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int) -> None:
+    """Every tensor in the files is one the mapping reads (else jaxpar would build a different model)."""
+    layer = set(_to_hf(arch, m, n_experts)) | (set(_FUSED_MIXTRAL) if arch == "mixtral" else set())
+    known = {files.prefix + n if arch == "gpt2" else n for n in _top_names(arch, bool(m.tie_embeddings))}
+    known |= {(files.prefix if arch == "gpt2" else "") + _layer_prefix(arch, i) + n
+              for i in range(m.n_layers) for n in layer}
+    if arch == "gpt2" or m.tie_embeddings:
+        known.add("lm_head.weight")  # tied: the same matrix as the embedding
+    extra = sorted(n for n in files.where if n not in known and not n.endswith(_BUFFERS))
+    if extra:
+        raise ConfigError(f"{files.d}: {len(extra)} tensor(s) that a {CLASSES[arch]} as jaxpar builds it does not "
+                          f"have, e.g. {extra[0]!r}: refusing to load a different model")
+
+
+def load_params(trainer, d: str | Path) -> dict:
+    """The parameters of the Hugging Face model in ``d``, placed with ``trainer``'s shardings in its
+    storage order (see the module docstring: each device reads only the layers it holds)."""
+    from jaxpar.trainer import _nest
+
+    d = Path(d)
+    cfg = trainer.cfg
+    m = cfg.model.resolved()
+    arch = _arch(read_config(d), f"{d}/config.json")
+    files = _Files(d)
+    _check_names(files, arch, m, cfg.moe.n_experts)
+    stack, per_layer = _to_jaxpar(arch, m, cfg.moe.n_experts)
+    prefix = tuple(stack.split("/"))
+    order = trainer.layer_order(m.n_layers)
+    embed = "wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
+    vp = trainer.adapter.abstract["embed"]["embedding"].shape[0]
+    norm = ("ln_f" if arch == "gpt2" else "model.norm") + ".weight"
+    top: dict[tuple, Callable[[], np.ndarray]] = {
+        ("embed", "embedding"): lambda: _pad(files(embed), vp, 0),
+        ("norm_f", "scale"): lambda: files(norm),
+        ("norm_f", "bias"): lambda: files("ln_f.bias"),
+        ("pos_embed",): lambda: files("wpe.weight")[: m.seq_len],
+        ("head", "kernel"): lambda: _pad(files("lm_head.weight").T, vp, 1),
+    }
+    shardings = trainer.state_shardings["params"]
+    out = []
+    for path in trainer.adapter.paths:
+        a = _at(trainer.adapter.abstract, path)
+        layered = path[: len(prefix)] == prefix
+        build = per_layer[path[len(prefix):]] if layered else top[path]
+        out.append((path, _place(a, _at(shardings, path), build, order if layered else None,
+                                 lambda i: _Layer(files, _layer_prefix(arch, i)))))
+    return _nest(out)
+
+
+def _at(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _place(a, sharding, build, order, layer_view):
+    """One parameter as a global array; the callback builds the layers of a device's shard (all of an
+    unstacked parameter), once per distinct layer slice, and cuts the device's slice out of them."""
+    import jax
+
+    cache: dict = {}
+
+    def shard(index):
+        key = None if order is None else tuple(int(i) for i in order[index[0]])
+        if key not in cache:
+            cache.clear()
+            full = build() if key is None else np.stack([build(layer_view(i)) for i in key])
+            cache[key] = np.asarray(full).astype(a.dtype)
+        return cache[key][index if key is None else (slice(None),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback(a.shape, sharding, shard)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export.
+
+def _host(a) -> np.ndarray:
+    """A global array on the host (gathered from every process when it spans several)."""
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def hf_tensors(trainer, params: dict):
+    """``(name, array)`` of the Hugging Face checkpoint of ``params`` (``trainer``'s storage order),
+    one tensor at a time; the parameters are fetched to the host once."""
+    cfg = trainer.cfg
+    hf = hf_config(cfg)
+    arch, m = hf["model_type"], cfg.model.resolved()
+    stack, _ = _to_jaxpar(arch, m, cfg.moe.n_experts)
+    prefix = tuple(stack.split("/"))
+    inverse = np.argsort(trainer.layer_order(m.n_layers))
+    host = {p: _host(_at(params, p)) for p in trainer.adapter.paths}
+    host = {p: a[inverse] if p[: len(prefix)] == prefix else a for p, a in host.items()}
+    v = m.vocab_size
+    if arch == "gpt2":
+        top = {"wte.weight": host["embed", "embedding"][:v], "wpe.weight": host[("pos_embed",)],
+               "ln_f.weight": host["norm_f", "scale"], "ln_f.bias": host["norm_f", "bias"]}
+        yield from (("transformer." + k, a) for k, a in top.items())
+    else:
+        yield "model.embed_tokens.weight", host["embed", "embedding"][:v]
+        yield "model.norm.weight", host["norm_f", "scale"]
+        if not m.tie_embeddings:
+            yield "lm_head.weight", host["head", "kernel"][:, :v].T
+    per_layer = _to_hf(arch, m, cfg.moe.n_experts)
+    for i in range(m.n_layers):
+        name = ("transformer." if arch == "gpt2" else "") + _layer_prefix(arch, i)
+        for k, fn in per_layer.items():
+            yield name + k, fn(lambda path, i=i: host[prefix + path][i])
+
+
+def export(trainer, params: dict, out: str | Path, tokenizer=None, shard_bytes: int = 4 << 30) -> list[Path]:
+    """Write ``params`` as a Hugging Face model directory ``out`` (see the module docstring); only
+    process 0 writes. Returns the files written."""
+    import jax
+    from safetensors.numpy import save_file
+
+    hf = hf_config(trainer.cfg)  # before anything is written: a model HF cannot express is an error
+    out = Path(out)
+    main = jax.process_index() == 0
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = total = 0
+    for name, a in hf_tensors(trainer, params):
+        a = np.ascontiguousarray(a)
+        if size and size + a.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = a
+        size += a.nbytes
+        total += a.nbytes
+    if not main:
+        return []
+    files = [out / "model.safetensors"] if len(shards) == 1 else [
+        out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for f, tensors in zip(files, shards):
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f.name for f, t in zip(files, shards) for n in t}}
+        files.append(out / "model.safetensors.index.json")
+        files[-1].write_text(json.dumps(index, indent=2))
+    files.append(out / "config.json")
+    files[-1].write_text(json.dumps(hf, indent=2))
+    if tokenizer is not None and hasattr(tokenizer, "to_str"):
+        files.append(out / "tokenizer.json")
+        files[-1].write_text(tokenizer.to_str())
+    return files
+
+
+def open_run(run: str | Path, overrides: list[str]) -> tuple:
+    """``(trainer, params, step, tokenizer)`` of a run directory's newest checkpoint (``step``), or of a
+    Hugging Face model directory given as ``hf:DIR`` (``step`` None), on the mesh the config and
+    ``overrides`` describe (simulated on a host without accelerators, as by ``train.py``)."""
+    from jaxpar.checkpoint import CheckpointError, Checkpointer
+    from jaxpar.config import load_config
+    from jaxpar.data.sources import make_source
+    from jaxpar.mesh import setup_devices
+    from jaxpar.trainer import Trainer
+
+    if str(run).startswith("hf:"):
+        from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer
+
+        cfg = load_config(None, [f"model.init_from={run}", *overrides])
+        if cfg.data.tokenizer == "bpe":
+            raise ConfigError(f"{str(run)[3:]} has no tokenizer.json: give data.tokenizer=PATH (a tokenizer.json) "
+                              "or data.tokenizer=byte")
+        setup_devices(cfg.parallel, cfg.distributed)
+        trainer = Trainer(cfg)
+        tokenizer = ByteTokenizer() if cfg.data.tokenizer == "byte" else BPETokenizer.load(cfg.data.tokenizer)
+        return trainer, load_params(trainer, directory(cfg.model.init_from)), None, tokenizer
+    run = Path(run)
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{run} is not a run directory (no config.yaml); give a train.out_dir of a finished "
+                          "or saved run, or hf:DIR for a Hugging Face model directory")
+    # the checkpoint holds the weights: a Hugging Face directory the run started from is not read again
+    cfg = load_config(run / "config.yaml", ["model.init_from=", *overrides])
+    setup_devices(cfg.parallel, cfg.distributed)
+    ckdir = Path(cfg.checkpoint.dir or run / "checkpoints")
+    ckpt = Checkpointer(ckdir, keep=cfg.checkpoint.keep, async_save=False)
+    steps = ckpt.steps()
+    if not steps:
+        ckpt.close()
+        raise CheckpointError(f"{ckdir} holds no complete checkpoint to read")
+    trainer = Trainer(cfg)
+    state = trainer.state_from_layer_order(ckpt.restore(steps[-1], trainer.abstract_state, cfg.to_dict())[0])
+    ckpt.close()
+    return trainer, state["params"], steps[-1], make_source(cfg, trainer.local_rows(), lambda *_: None).tokenizer
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxpar.hf RUN_DIR OUT_DIR [key=value ...]``: write a run's newest checkpoint as a
+    Hugging Face model directory (``config.json``, safetensors, ``tokenizer.json``)."""
+    import sys
+
+    from jaxpar.checkpoint import CheckpointError
+    from jaxpar.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m jaxpar.hf", description=main.__doc__)
+    ap.add_argument("run", help="a run directory (train.out_dir) with checkpoints")
+    ap.add_argument("out", help="the Hugging Face model directory to write")
+    ap.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, in GiB (default 4)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.data=1 (the mesh to load on)")
+    a = ap.parse_intermixed_args(argv)
+    try:
+        if a.shard_gb <= 0:
+            raise ConfigError(f"--shard-gb {a.shard_gb}: give a size above 0")
+        trainer, params, step, tokenizer = open_run(Path(a.run), a.overrides)
+        files = export(trainer, params, a.out, tokenizer, shard_bytes=int(a.shard_gb * 2**30))
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    print(f"wrote {a.run} step {step} as {CLASSES[hf_config(trainer.cfg)['model_type']]}: "
+          + ", ".join(f.name for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

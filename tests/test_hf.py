@@ -1,0 +1,185 @@
+"""Hugging Face checkpoints in and out (jaxpar.hf) against `transformers` itself (torch, CPU, float32).
+
+Every parameter gets random values, biases and norm weights included (HF's own initialisation leaves
+them at 0 and 1, which would hide a wrong mapping). The reference is transformers' forward pass.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxpar import hf  # noqa: E402
+from jaxpar.config import ConfigError, load_config  # noqa: E402
+from helpers import trainer as Trainer  # noqa: E402  (a mesh of the devices the layout names)
+
+V, T = 300, 16
+
+
+def hf_model(arch: str, **extra):
+    """A small random ``transformers`` model: GPT-2, Llama (GQA, untied) or Mixtral (top-2 of 4)."""
+    torch.manual_seed({"gpt2": 0, "llama": 1, "mixtral": 2}[arch])
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(**{**dict(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4), **extra})
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        kw = {**dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                     rope_theta=5e5), **extra}
+        if arch == "llama":
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+        else:
+            model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4,
+                                                                               num_experts_per_tok=2, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = "ln" in name or "norm" in name
+            p.copy_((1.0 if norm and name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_logits(model_or_dir, tokens: np.ndarray) -> np.ndarray:
+    model = model_or_dir
+    if not hasattr(model, "forward"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(model_or_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def tokens(b=4, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, (b, T)).astype(np.int32)
+
+
+LAYOUTS = {"1": [], "dt": ["parallel.data=2", "parallel.tensor=2"]}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    out = {}
+    for arch in ("gpt2", "llama", "mixtral"):
+        d = tmp_path_factory.mktemp(arch)
+        model = hf_model(arch)
+        model.save_pretrained(d)
+        out[arch] = (d, hf_logits(model, tokens()))
+    return out
+
+
+def jaxpar_logits(trainer, params, toks) -> np.ndarray:
+    return np.asarray(trainer.logits(params, jax.numpy.asarray(toks)))[..., :V]
+
+
+@pytest.mark.parametrize("layout", ["1", "dt"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
+def test_import_matches_transformers(hf_dirs, arch, layout):
+    d, ref = hf_dirs[arch]
+    extra = LAYOUTS[layout] + (["parallel.expert=2"] if arch == "mixtral" and layout == "dt" else [])
+    cfg = load_config(None, [f"model.init_from=hf:{d}", f"model.seq_len={T}", "train.batch_size=8", *extra])
+    assert cfg.model.arch == ("moe" if arch == "mixtral" else "gpt")
+    trainer = Trainer(cfg)
+    params = hf.load_params(trainer, d)
+    got = jaxpar_logits(trainer, params, tokens())
+    assert np.max(np.abs(got - ref)) < 1e-4, np.max(np.abs(got - ref))
+
+
+def randomised(trainer, state, seed=0):
+    """``state["params"]`` with every leaf random (biases and norm scales included), on its shardings."""
+    leaves, treedef = jax.tree.flatten(state["params"])
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [jax.device_put(0.5 * jax.random.normal(k, a.shape, a.dtype), a.sharding) for k, a in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, new)
+
+
+@pytest.mark.parametrize("arch,layout", [("gpt2", "dt"), ("llama", "1"), ("mixtral", "dt")])
+def test_export_loads_in_transformers(tmp_path, arch, layout):
+    style = {"gpt2": ["model.style=gpt2"],
+             "llama": ["model.style=llama", "model.n_kv_heads=2", "model.rope_theta=500000.0"],
+             "mixtral": ["model.arch=moe", "model.style=llama", "model.n_kv_heads=2", "moe.n_experts=4",
+                         "moe.dropless=true"]}[arch]
+    extra = LAYOUTS[layout] + (["parallel.expert=2"] if arch == "mixtral" and layout == "dt" else [])
+    cfg = load_config(None, [*style, "model.n_layers=2", "model.d_model=32", "model.n_heads=4", f"model.vocab_size={V}",
+                             f"model.seq_len={T}", "train.batch_size=8", *extra])
+    trainer = Trainer(cfg)
+    params = randomised(trainer, trainer.init_state())
+    files = hf.export(trainer, params, tmp_path)
+    assert {f.name for f in files} == {"model.safetensors", "config.json"}
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [hf.CLASSES[arch]]
+    toks = tokens(seed=1)
+    got, ref = jaxpar_logits(trainer, params, toks), hf_logits(tmp_path, toks)
+    assert np.max(np.abs(got - ref)) < 1e-4, np.max(np.abs(got - ref))
+    # and back: the exported directory imports to the same parameters (the vocabulary's padding aside)
+    again = Trainer(load_config(None, [f"model.init_from=hf:{tmp_path}", f"model.seq_len={T}", "train.batch_size=8",
+                                       *extra]))
+    back = dict(hf.hf_tensors(again, hf.load_params(again, tmp_path)))
+    for name, a in hf.hf_tensors(trainer, params):
+        np.testing.assert_array_equal(a, back.pop(name), err_msg=name)
+    assert not back
+
+
+def test_circular_pipeline_import_and_sharded_export(tmp_path):
+    """A tied Llama imported onto a circular pipeline (stacked layers stored stage-major, each stage
+    reading only its layers) gives transformers' logits; exported from there in several safetensors
+    files with an index, it loads back in transformers."""
+    model = hf_model("llama", num_hidden_layers=4, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "in")
+    ref = hf_logits(model, tokens())
+    cfg = load_config(None, [f"model.init_from=hf:{tmp_path / 'in'}", f"model.seq_len={T}", "train.batch_size=8",
+                             "parallel.pipe=2", "parallel.pipeline_repeats=2", "parallel.data=2"])
+    trainer = Trainer(cfg)
+    assert list(trainer.layer_order(4)) == [0, 2, 1, 3] and cfg.model.tie_embeddings
+    params = hf.load_params(trainer, tmp_path / "in")
+    assert np.max(np.abs(jaxpar_logits(trainer, params, tokens()) - ref)) < 1e-4
+    files = hf.export(trainer, params, tmp_path / "out", shard_bytes=20_000)
+    assert (tmp_path / "out" / "model.safetensors.index.json") in files and len(files) > 4
+    np.testing.assert_allclose(hf_logits(tmp_path / "out", tokens()), ref, atol=1e-5)
+
+
+def test_import_train_export(tmp_path, hf_dirs):
+    """An HF GPT-2 trained 10 steps on Shakespeare by train.py's run, exported by the CLI, loads in
+    transformers with jaxpar's logits."""
+    from jaxpar.hf import open_run
+    from jaxpar.run import run
+
+    d, _ = hf_dirs["gpt2"]
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"model.init_from=hf:{d}", "data.source=shakespeare", "data.tokenizer=byte",
+                             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10", "train.batch_size=8",
+                             f"model.seq_len={T}", "parallel.data=4", "parallel.tensor=2", "sample.tokens=0",
+                             f"train.out_dir={out}", "checkpoint.async_save=false"])
+    summary = run(cfg, log=lambda *a, **k: None)
+    assert np.isfinite(summary["final_loss"]) and summary["steps"] == 10
+    assert hf.main([str(out), str(tmp_path / "hf")]) == 0
+    trainer, params, step, _ = open_run(out, [])
+    assert step == 10
+    trained = np.asarray(params["blocks"]["mlp"]["up"]["kernel"])
+    assert not np.allclose(trained, np.asarray(hf.load_params(trainer, d)["blocks"]["mlp"]["up"]["kernel"]))
+    toks = tokens(b=8, seed=2)
+    got, ref = jaxpar_logits(trainer, params, toks), hf_logits(tmp_path / "hf", toks)
+    assert np.max(np.abs(got - ref)) < 1e-4
+
+
+def test_config_errors(tmp_path, hf_dirs):
+    d, _ = hf_dirs["llama"]
+    with pytest.raises(ConfigError, match=r"model.d_model=64 contradicts .*hidden|model.d_model=64 contradicts"):
+        load_config(None, [f"model.init_from=hf:{d}", "model.d_model=64"])
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(None, [f"model.init_from=hf:{tmp_path}"])
+    for change, field in [({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+                           "rope_parameters.rope_type='llama3'"),
+                          ({"attention_bias": True}, "attention_bias=True"),
+                          ({"model_type": "qwen2"}, "model_type='qwen2'"),
+                          ({"hidden_act": "gelu"}, "hidden_act='gelu'")]:
+        bad = tmp_path / field.split("=")[0]
+        bad.mkdir()
+        conf = json.loads((d / "config.json").read_text())
+        conf.update(change)
+        (bad / "config.json").write_text(json.dumps(conf))
+        with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace(".", r"\.")):
+            load_config(None, [f"model.init_from=hf:{bad}"])
+    # a model HF cannot express
+    cfg = load_config(None, ["model.style=llama", "model.bias=true"])
+    with pytest.raises(ConfigError, match="model.bias=True cannot be exported"):
+        hf.hf_config(cfg)
