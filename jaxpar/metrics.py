@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,21 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def summary_writer():
+    """tensorboardX's ``SummaryWriter``, imported without torch: where torch is installed, tensorboardX
+    imports it at import time (seconds of start-up and ~1 GB of address space) only to recognise torch
+    tensors, which jaxpar never writes. A process that already imported torch keeps it."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` an ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsLog:
     """metrics.jsonl + TensorBoard on process 0. ``records`` (the earlier steps of a resumed run) are
     written first; non-finite values (a skipped step's loss) are written as null."""
@@ -36,10 +52,8 @@ class MetricsLog:
         self.records = list(records or [])
         self.file, self.tb = None, None
         if enabled:
-            from tensorboardX import SummaryWriter
-
             self.file = f = open(out / "metrics.jsonl", "w")
-            self.tb = SummaryWriter(str(out / "tb"))
+            self.tb = summary_writer()(str(out / "tb"))
             for rec in self.records:
                 f.write(json.dumps(rec) + "\n")
 
