@@ -15,7 +15,7 @@ data (+expert,    gradients: one reduction over every axis that splits the token
 seq)              (data, expert, seq): all-reduce of ``P_g``; reduce-scatter into the optimizer's
                   shards under ZeRO >= 1, then (ZeRO-1) one all-gather of the updated parameters;
                   ZeRO-3: one all-gather of each weight per use (forward, and again for the
-                  backward when ``model.remat`` is not none)
+                  backward when ``model.remat`` is not none) in every accumulation microstep
 tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward (attention-out,
                   MLP-down) and 2 backward (the column layers' input gradients); the vocab-parallel
                   lookup's all-reduce, the loss's 3 floats per token and its input gradient.
@@ -168,9 +168,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
-        if zero3:  # ZeRO-3: gathered before each use
+        if zero3:  # ZeRO-3: gathered before each use, in every gradient-accumulation microstep
             regather = leaf.stage and remat != "none"  # the layer's recompute gathers its weights again
-            add("all-gather", zero3, 1 + regather, local, "ZeRO-3 weight all-gather")
+            add("all-gather", zero3, k * (1 + regather), local, "ZeRO-3 weight all-gather")
 
     # -- tensor parallelism --------------------------------------------------------------------------
     tp = ("tensor",)

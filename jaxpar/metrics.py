@@ -35,7 +35,7 @@ def summary_writer():
     tensors, which jaxpar never writes. A process that already imported torch keeps it."""
     blocked = "torch" not in sys.modules
     if blocked:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` an ImportError
+        sys.modules["torch"] = None  # makes `import torch` an ImportError
     try:
         from tensorboardX import SummaryWriter
     finally:
