@@ -44,6 +44,8 @@ import numpy as np
 
 from jaxpar.config import Config, ConfigError, ModelConfig
 from jaxpar.hf_config import CLASSES, _arch, config_keys, directory, read_config
+from jaxpar.trainer import _get as _at
+from jaxpar.trainer import _nest
 
 # tensors some checkpoints carry that are buffers, not weights (causal masks, RoPE tables)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -282,8 +284,6 @@ def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int) -> No
 def load_params(trainer, d: str | Path) -> dict:
     """The parameters of the Hugging Face model in ``d``, placed with ``trainer``'s shardings in its
     storage order (see the module docstring: each device reads only the layers it holds)."""
-    from jaxpar.trainer import _nest
-
     d = Path(d)
     cfg = trainer.cfg
     m = cfg.model.resolved()
@@ -312,12 +312,6 @@ def load_params(trainer, d: str | Path) -> dict:
         out.append((path, _place(a, _at(shardings, path), build, order if layered else None,
                                  lambda i: _Layer(files, _layer_prefix(arch, i)))))
     return _nest(out)
-
-
-def _at(tree: dict, path: tuple):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def _place(a, sharding, build, order, layer_view):

@@ -17,7 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The longest tests go first, so that neither pytest-xdist worker is left alone with one of them at the end
 # (the order inside each module is kept: some modules reuse references computed by their earlier tests).
 FIRST = ("test_five_axes.py", "test_faults.py", "test_pipeline.py")
+# ... and the tests that import torch last (XLA runs a few per cent slower in a process that imported it)
+LAST = ("test_hf.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
+    def order(item):
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST) + 1 + LAST.index(name) if name in LAST else len(FIRST)
+
+    items.sort(key=order)

@@ -10,18 +10,26 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from jaxpar import hf
+from jaxpar.config import ConfigError, load_config
+from helpers import trainer as Trainer  # (a mesh of the devices the layout names)
 
-from jaxpar import hf  # noqa: E402
-from jaxpar.config import ConfigError, load_config  # noqa: E402
-from helpers import trainer as Trainer  # noqa: E402  (a mesh of the devices the layout names)
+# torch and transformers are imported by the first test that needs them, not when pytest collects this
+# module: a worker that imported torch runs XLA a few per cent slower for the rest of the session
+torch = transformers = None
+
+
+def libs() -> None:
+    global torch, transformers
+    if torch is None:
+        torch, transformers = pytest.importorskip("torch"), pytest.importorskip("transformers")
 
 V, T = 300, 16
 
 
 def hf_model(arch: str, **extra):
     """A small random ``transformers`` model: GPT-2, Llama (GQA, untied) or Mixtral (top-2 of 4)."""
+    libs()
     torch.manual_seed({"gpt2": 0, "llama": 1, "mixtral": 2}[arch])
     if arch == "gpt2":
         cfg = transformers.GPT2Config(**{**dict(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4), **extra})
@@ -43,6 +51,7 @@ def hf_model(arch: str, **extra):
 
 
 def hf_logits(model_or_dir, tokens: np.ndarray) -> np.ndarray:
+    libs()
     model = model_or_dir
     if not hasattr(model, "forward"):
         model = transformers.AutoModelForCausalLM.from_pretrained(str(model_or_dir), dtype=torch.float32).eval()
@@ -147,9 +156,9 @@ def test_import_train_export(tmp_path, hf_dirs):
     d, _ = hf_dirs["gpt2"]
     out = tmp_path / "run"
     cfg = load_config(None, [f"model.init_from=hf:{d}", "data.source=shakespeare", "data.tokenizer=byte",
-                             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10", "train.batch_size=8", "train.eval_batches=1",
-                             f"model.seq_len={T}", "parallel.data=4", "parallel.tensor=2", "sample.tokens=0",
-                             f"train.out_dir={out}", "checkpoint.async_save=false"])
+                             f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10", "train.batch_size=8",
+                             "train.eval_batches=1", f"model.seq_len={T}", "parallel.data=4", "parallel.tensor=2",
+                             "sample.tokens=0", f"train.out_dir={out}", "checkpoint.async_save=false"])
     summary = run(cfg, log=lambda *a, **k: None)
     assert np.isfinite(summary["final_loss"]) and summary["steps"] == 10
     assert hf.main([str(out), str(tmp_path / "hf")]) == 0
