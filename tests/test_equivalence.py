@@ -34,11 +34,8 @@ def test_layout_matches_single_device(style, layout):
     assert_params_close(got["params"], ref["params"], "params after 3 steps ")
 
 
-def test_gqa_tensor_parallel_matches_single_device():
-    got = run(config("llama_gqa", parallel__data=2, parallel__tensor=4))
-    ref = reference("llama_gqa")
-    assert_trees_close(got["grads"], ref["grads"], 1e-5, "grads ")
-    assert_params_close(got["params"], ref["params"])
+# (GQA with tensor parallelism: the pipeline's llama_gqa pipe x tensor x data case and the chunked loss's
+# llama_gqa seq x tensor case)
 
 
 @pytest.mark.parametrize("style", ["gpt2", "llama"])

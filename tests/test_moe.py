@@ -283,7 +283,6 @@ def test_overflow_on_a_mesh_is_per_device_group():
 
 MOE = dict(model__arch="moe", moe__n_experts=8, moe__top_k=2, moe__capacity_factor=4.0, moe__d_ff=64)
 LAYOUTS = {
-    "expert8": ("gpt2", dict(parallel__expert=8)),
     "data2_expert4": ("gpt2", dict(parallel__data=2, parallel__expert=4)),
     # llama: DeepSeek-style options (a shared expert, sigmoid scores); under Megatron-SP the layer gathers the
     # sequence over tensor and reduce-scatters its output

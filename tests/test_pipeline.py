@@ -101,7 +101,7 @@ def _stack_flops(**lay):
     return f[1] - f[0]
 
 
-@pytest.mark.parametrize("s, m, r", [(2, 2, 1), (4, 8, 1), (2, 2, 2)])
+@pytest.mark.parametrize("s, m, r", [(2, 2, 1), (2, 2, 2)])
 def test_flops_follow_the_schedule(s, m, r):
     """Bubble iterations compute (on zeros): per device, the layer stack's matmul flops are
     (M*R+S-1)/(M*R) x 1/S of the non-pipelined stack's."""
