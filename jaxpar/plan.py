@@ -176,9 +176,8 @@ class Planner:
         mem["update"] = sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
         mem["total"] = sum(mem.values())
         terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
-        est.comm = {k: v for by in comm.summarize(terms).values() for k, v in by.items()}
-        for label in list(est.comm):
-            est.comm[label] = sum(t.wire_bytes for t in terms if t.label == label)
+        for term in terms:  # wire bytes by mesh-axis group, whatever the collective
+            est.comm[term.label] = est.comm.get(term.label, 0.0) + term.wire_bytes
         est.comm_seconds = sum(b / (self._bandwidth(label, sizes) * 1e9) for label, b in est.comm.items())
         s_, mb = sizes["pipe"], par.microbatches or sizes["pipe"]
         est.bubble = (mb + s_ - 1) / mb if s_ > 1 else 1.0
@@ -323,11 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         for ov, why in rejected:
             print(f"  {describe(ov)}: {why}")
     if a.check:
-        print("\n" + check(cfg, ok[: a.check], a.overrides))
+        print("\n" + check(cfg, ok[: a.check]))
     return 0
 
 
-def check(cfg: Config, ests: list[Estimate], overrides: list[str]) -> str:
+def check(cfg: Config, ests: list[Estimate]) -> str:
     """Compile each layout on the simulated CPU devices and compare with the model's XLA:CPU flavour
     (float32 activations, the reference attention, XLA:CPU's collectives)."""
     import jax
