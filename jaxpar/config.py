@@ -85,6 +85,10 @@ class ParallelConfig:
                            range=NONNEGATIVE)
     pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).",
                                range=POSITIVE)
+    pipeline_schedule: str = _f("gpipe", "Pipeline schedule: gpipe (all forwards, then the scan's backward; circular "
+                                         "with pipeline_repeats > 1) or 1f1b (one forward, one backward: activations "
+                                         "of at most 2*pipe - 1 microbatches per stage, not all M).",
+                                ("gpipe", "1f1b"))
     zero: int = _f(0, "ZeRO stage over the axes that split the batch (data, expert, seq): 0 replicated, 1 optimizer "
                       "state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
@@ -539,10 +543,15 @@ def validate(cfg: Config) -> None:
     if par.megatron_sp and par.tensor == 1:
         raise ConfigError("parallel.megatron_sp=true needs parallel.tensor > 1 (it splits the sequence over "
                           "the tensor axis); set parallel.tensor or parallel.megatron_sp=false")
-    if par.pipe == 1 and (par.microbatches or par.pipeline_repeats != 1):
-        key = "parallel.microbatches" if par.microbatches else "parallel.pipeline_repeats"
+    if par.pipe == 1 and (par.microbatches or par.pipeline_repeats != 1 or par.pipeline_schedule != "gpipe"):
+        key = ("parallel.microbatches" if par.microbatches else
+               "parallel.pipeline_repeats" if par.pipeline_repeats != 1 else "parallel.pipeline_schedule")
         raise ConfigError(f"{key}={getattr(par, key.split('.')[1])} has no effect with parallel.pipe=1 (it "
                           "configures the pipeline); remove it or set parallel.pipe > 1")
+    if par.pipeline_schedule == "1f1b" and par.pipeline_repeats != 1:
+        raise ConfigError(f"parallel.pipeline_schedule=1f1b with parallel.pipeline_repeats={par.pipeline_repeats}: "
+                          "interleaved 1F1B is not implemented; use pipeline_repeats=1 with 1f1b, or the circular "
+                          "schedule (pipeline_schedule=gpipe) with repeats")
     m = cfg.model
     r = m.resolved()
     if r.n_heads % r.n_kv_heads:

@@ -25,7 +25,7 @@ from jaxpar.layers import MLP, Attention, ColumnParallelLinear, VocabParallelEmb
 from jaxpar.layers.context_parallel import zigzag_order
 from jaxpar.layers.embedding import vocab_logits
 from jaxpar.layers.loss import head_cross_entropy
-from jaxpar.layers.pipeline import pipeline
+from jaxpar.layers.pipeline import one_f_one_b, pipeline
 from jaxpar.layers.precision import DTYPES, compute_dtype
 from jaxpar.layers.remat import remat as rematerialise
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
@@ -85,16 +85,26 @@ def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", ou
     if pipelined and rules is not None and rules.axis_size("pipe") > 1:
         par = rules.parallel
         # per-layer outputs come back as means over the microbatches, in storage order
-        # each leaf's logical names, so that stages keep their weights' splits (leaves of non-Param
-        # variables, e.g. sown intermediates, have none)
-        axes = [tuple(v.get_metadata().get("out_sharding") or (None,) * leaf.ndim) if isinstance(v, nnx.Param)
-                else (None,) * leaf.ndim
-                for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-                for leaf in jax.tree.leaves(v)]
         return pipeline(lambda group, h: _scan(graphdef, group, h, args, remat, outputs), state, x,
                         stages=rules.axis_size("pipe"), repeats=par.pipeline_repeats,
-                        microbatches=par.microbatches or rules.axis_size("pipe"), outputs=outputs, param_axes=axes)
+                        microbatches=par.microbatches or rules.axis_size("pipe"), outputs=outputs,
+                        param_axes=leaf_axes(state))
     return _scan(graphdef, state, x, args, remat, outputs)
+
+
+def leaf_axes(state) -> list[tuple]:
+    """Each leaf's logical names (``jax.tree.leaves`` order), so that pipeline stages keep their weights'
+    splits; leaves of non-Param variables (e.g. sown intermediates) have none."""
+    return [tuple(v.get_metadata().get("out_sharding") or (None,) * leaf.ndim) if isinstance(v, nnx.Param)
+            else (None,) * leaf.ndim
+            for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            for leaf in jax.tree.leaves(v)]
+
+
+def one_f_one_b_active() -> bool:
+    """Whether the active layout trains its layer stack with the 1F1B pipeline schedule."""
+    rules = active_rules()
+    return rules is not None and rules.axis_size("pipe") > 1 and rules.parallel.pipeline_schedule == "1f1b"
 
 
 def _scan(graphdef, state, x, args, remat: str, outputs: bool):
@@ -137,25 +147,19 @@ class GPT(nnx.Module):
         """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""
         return scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
 
+    def outer(self) -> dict:
+        """The modules around the layer stack: embedding, positions, final norm and head."""
+        return {"embed": self.embed, "pos_embed": self.pos_embed, "norm_f": self.norm_f, "head": self.head}
+
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """The final-normed residual stream ``[B, T, d_model]`` of ``tokens`` at global ``positions [T]``
         (None: ``0..T-1`` in order; otherwise any order, e.g. zig-zag)."""
-        t = tokens.shape[1]
-        if t > self.cfg.seq_len and self.pos_embed is not None:
-            raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={self.cfg.seq_len}")
-        x = self.embed(tokens)
-        if self.pos_embed is not None:
-            pos_table = constrain_weight(self.pos_embed[...], ("positions", "embed"))
-            pos = pos_table[:t] if positions is None else jnp.take(pos_table, positions, axis=0)
-            x = constrain(x + pos.astype(self.dtype), ("batch", "res_length", "act_embed"))
-        x = self.apply_blocks(x, positions)
+        x = self.apply_blocks(embed_tokens(self.outer(), self.cfg, self.dtype, tokens, positions), positions)
         return self.norm_f(x)
 
     def output_weight(self) -> tuple[jax.Array, str]:
         """The head's weight in its compute layout and its einsum layout (``vd`` tied, ``dv`` untied)."""
-        if self.head is None:
-            return self.embed.table(), "vd"
-        return constrain_weight(self.head.kernel[...], ("embed", "vocab")), "dv"
+        return output_weight(self.outer())
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """``tokens [B, T]`` -> float32 logits ``[B, T, vocab_padded]`` (pad columns are garbage; use :meth:`loss`)."""
@@ -170,17 +174,87 @@ class GPT(nnx.Module):
         The head and the loss run fused over chunks of at most ``model.loss_chunk_tokens`` tokens per
         device (:func:`~jaxpar.layers.loss.head_cross_entropy`), so the float32 logits of the whole
         batch never exist. Under zig-zag ring attention the tokens and targets are permuted together
-        (the mean does not depend on the order), so nothing is put back in order.
+        (the mean does not depend on the order), so nothing is put back in order. With the 1F1B
+        pipeline schedule the layer stack, the embedding and the loss run in :meth:`pipelined_loss`.
         """
-        order = sequence_order(tokens.shape[1])
-        if order is None:
-            x = self.hidden(tokens)
-        else:
-            tokens, targets = tokens[:, order], targets[:, order]
-            x = self.hidden(tokens, jnp.asarray(order))
-        w, layout = self.output_weight()
-        return head_cross_entropy(x, w, targets, self.cfg.vocab_size, layout=layout, dtype=self.dtype,
-                                  chunk_tokens=self.cfg.loss_chunk_tokens), {}
+        tokens, targets, positions = ordered(tokens, targets)
+        if one_f_one_b_active():
+            return self.pipelined_loss(tokens, targets, positions)[0], {}
+        return head_loss(self.outer(), self.cfg, self.dtype, self.hidden(tokens, positions), targets), {}
+
+    def pipelined_loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None,
+                       weights: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """The loss under the 1F1B schedule (:func:`~jaxpar.layers.pipeline.one_f_one_b`): forward and
+        backward of the microbatches interleaved, the embedding on the first stage and the head on the
+        last. With ``weights`` (a dict over the per-layer outputs of :meth:`make_blocks`' layers, e.g.
+        MoE router losses) the loss adds ``sum weight x sum over layers``; returns ``(loss, outputs)``,
+        the per-layer outputs averaged over microbatches (None without ``weights``)."""
+        rules = active_rules()
+        assert rules is not None
+        cfg, dtype, outputs = self.cfg, self.dtype, weights is not None
+        graphdef, state = nnx.split(self.blocks)
+        outer_def, outer = nnx.split(self.outer())
+        args = (positions,)
+        s_, m_ = rules.axis_size("pipe"), rules.parallel.microbatches or rules.axis_size("pipe")
+
+        def stage_fn(group, h):
+            return _scan(graphdef, group, h, args, cfg.remat, outputs)
+
+        def first_fn(o, tok):
+            return embed_tokens(nnx.merge(outer_def, o), cfg, dtype, tok, positions)
+
+        def last_fn(o, h, tgt):
+            outer = nnx.merge(outer_def, o)
+            return head_loss(outer, cfg, dtype, outer["norm_f"](h), tgt)
+
+        def primal(p, o, tok, tgt):  # the GPipe forward: what the loss is without differentiation
+            x = pipeline(stage_fn, p, first_fn(o, tok), stages=s_, repeats=1, microbatches=m_, outputs=outputs,
+                         param_axes=leaf_axes(state))
+            x, ys = x if outputs else (x, None)
+            loss = last_fn(o, x, tgt)
+            if outputs:
+                assert weights is not None and ys is not None
+                loss = loss + sum(w * jnp.sum(ys[k]) for k, w in weights.items())
+            return loss, ys
+
+        return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
+                           param_axes=leaf_axes(state), primal=primal, ys_weights=weights)
+
+
+def ordered(tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Tokens and targets in the order the active layout needs (:func:`sequence_order`), with the
+    global positions of that order (None: in order)."""
+    order = sequence_order(tokens.shape[1])
+    if order is None:
+        return tokens, targets, None
+    return tokens[:, order], targets[:, order], jnp.asarray(order)
+
+
+def embed_tokens(outer: dict, cfg: ModelConfig, dtype, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
+    """Token (and learned position) embeddings of ``tokens [B, T]`` by :meth:`GPT.outer`'s modules."""
+    t = tokens.shape[1]
+    if t > cfg.seq_len and outer["pos_embed"] is not None:
+        raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={cfg.seq_len}")
+    x = outer["embed"](tokens)
+    if outer["pos_embed"] is not None:
+        pos_table = constrain_weight(outer["pos_embed"][...], ("positions", "embed"))
+        pos = pos_table[:t] if positions is None else jnp.take(pos_table, positions, axis=0)
+        x = constrain(x + pos.astype(dtype), ("batch", "res_length", "act_embed"))
+    return x
+
+
+def output_weight(outer: dict) -> tuple[jax.Array, str]:
+    """The head's weight in its compute layout and its einsum layout (``vd`` tied, ``dv`` untied)."""
+    if outer["head"] is None:
+        return outer["embed"].table(), "vd"
+    return constrain_weight(outer["head"].kernel[...], ("embed", "vocab")), "dv"
+
+
+def head_loss(outer: dict, cfg: ModelConfig, dtype, x: jax.Array, targets: jax.Array) -> jax.Array:
+    """Head and mean cross-entropy of the final-normed residual stream ``x`` (chunked, see :meth:`GPT.loss`)."""
+    w, layout = output_weight(outer)
+    return head_cross_entropy(x, w, targets, cfg.vocab_size, layout=layout, dtype=dtype,
+                              chunk_tokens=cfg.loss_chunk_tokens)
 
 
 def sequence_order(t: int) -> np.ndarray | None:

@@ -35,7 +35,7 @@ from flax import nnx
 from jaxpar.config import MoEConfig, ModelConfig
 from jaxpar.layers import MoE, balance_bias
 from jaxpar.partitioning import constrain
-from jaxpar.models.gpt import DTYPES, GPT, Block, scan_blocks, stacked
+from jaxpar.models.gpt import DTYPES, GPT, Block, one_f_one_b_active, ordered, scan_blocks, stacked
 
 
 class MoEBlock(Block):
@@ -99,12 +99,20 @@ class MoETransformer(GPT):
 
     def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
         """Cross-entropy plus the weighted router losses; metrics as in the module docstring."""
-        (ce, metrics), inter = nnx.capture(super().loss, nnx.Intermediate)(tokens, targets)
-        stats = inter["moe_stats"][0]  # the one sown tuple entry
         m = self.moe_cfg
-        aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
+        if one_f_one_b_active():  # the router losses join the loss inside the schedule; stats are for metrics
+            total, stats = self.pipelined_loss(*ordered(tokens, targets), {"aux_loss": m.aux_loss_weight,
+                                                                           "z_loss": m.z_loss_weight})
+            assert stats is not None
+            metrics: dict = {}
+            aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
+            ce = total - m.aux_loss_weight * aux - m.z_loss_weight * z
+        else:
+            (ce, metrics), inter = nnx.capture(super().loss, nnx.Intermediate)(tokens, targets)
+            stats = inter["moe_stats"][0]  # the one sown tuple entry
+            aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
+            total = ce + m.aux_loss_weight * aux + m.z_loss_weight * z
         n = stats["aux_loss"].shape[0]
-        total = ce + m.aux_loss_weight * aux + m.z_loss_weight * z
         out = {**metrics, "ce_loss": ce, "moe_aux_loss": aux / n, "moe_z_loss": z / n,
                "moe_drop_fraction": jnp.mean(stats["drop_fraction"]),
                "moe_expert_load": jnp.mean(stats["expert_load"], axis=0)}

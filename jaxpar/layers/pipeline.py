@@ -144,3 +144,192 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[tupl
             for m in range(microbatches):
                 grid[s][r * microbatches + m + s] = (m, r)
     return grid
+
+
+# -- 1F1B ------------------------------------------------------------------------------------------
+
+def _shift(stages: int, step: int):
+    """``state[s] -> state[s + step]`` over ``pipe`` by one ``ppermute`` (``step`` = +1 forward, -1 back)."""
+    rules = _rules()
+    spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
+    perm = [(s, s + step) for s in range(stages) if 0 <= s + step < stages]
+    return jax.shard_map(lambda x: jax.lax.ppermute(x, "pipe", perm), mesh=rules.mesh, in_specs=spec, out_specs=spec)
+
+
+def _stage_split(a: jax.Array) -> jax.Array:
+    """Pin the leading (stage) dim of a per-stage buffer to ``pipe``; the other dims are the compiler's."""
+    rules = _rules()
+    spec = jax.sharding.PartitionSpec("pipe", *[jax.sharding.PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
+    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(rules.mesh, spec))
+
+
+def stash_slots(stages: int) -> int:
+    """Microbatches whose stage residuals a 1F1B stage holds at once: stage s keeps microbatch m from
+    its forward (iteration m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0)."""
+    return 2 * stages - 1
+
+
+def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
+                stages: int, microbatches: int, param_axes: list[tuple], primal, ys_weights=None):
+    """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
+
+    ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
+    layers; ``(y_mb, ys)`` with per-layer outputs when ``ys_weights`` is given) and
+    ``last_fn(outer, y_mb, targets_mb) -> loss_mb`` (head and mean loss of one microbatch). ``params``
+    leaves are ``[L, ...]`` (layer order; ``param_axes`` their logical names), ``outer`` the weights of
+    ``first_fn`` / ``last_fn`` (shared: a tied embedding is one weight).
+
+    Returns ``(loss, ys)``: the mean over microbatches of ``last_fn`` plus, with ``ys_weights`` (a dict
+    name -> weight over the stage's per-layer outputs ``ys``, a dict of float arrays; missing names weigh
+    0), ``sum_name weight * sum_layers ys[name]`` (e.g. a router's balance loss); ``ys`` are the per-layer outputs averaged over microbatches, for metrics
+    only (no gradient flows back through them). Without differentiation ``primal(params, outer, tokens,
+    targets)`` computes the same two values (the GPipe forward); under ``jax.grad`` the forward and the
+    backward run interleaved in one ``lax.scan`` (a ``custom_vjp`` whose forward returns the gradients).
+
+    Schedule: on iteration t stage s runs the forward of microbatch t - s and the backward of microbatch
+    t - 2(S-1) + s (each where it exists), 2(S-1) + M iterations. The last stage runs the loss and its
+    gradient as soon as its forward is done, so backwards start after S - 1 iterations and every stage
+    keeps the inputs of at most 2S - 1 microbatches (:func:`stash_slots`): activation memory O(S), not
+    O(M) as GPipe's. A stage's backward runs its forward again from the stashed input (``jax.vjp``, so
+    the layers' remat policy decides what that one microbatch keeps while its backward runs): the
+    stage is rematerialised as a whole, as ``model.remat=full`` would. (Stashing the ``jax.vjp``
+    residuals instead would keep less compute but copy the stage's weights into every slot: the
+    linearisation of a scan over layers re-emits its stacked weights as residuals.) Activations move
+    forward and their gradients backward by one ``ppermute`` each per iteration; nothing else crosses
+    ``pipe`` until the end (one sum of the per-stage gradient accumulators of ``outer``). The backward half does not run
+    in the first S - 1 iterations nor the forward half in the last S - 1 (a ``lax.cond`` on t), so the
+    schedule costs (M + S - 1) x (forward + backward): GPipe's bubble. The embedding and the loss run
+    under the stage ``vmap``, so each stage computes them (its result is used on stage 0 resp. S-1
+    only): cheap next to the stage for the embedding, (S-1) extra head matmuls per microbatch for the
+    loss, traded against a broadcast of the last stage's output over ``pipe`` every iteration.
+    """
+    s_, m_ = stages, microbatches
+    k_ = stash_slots(s_)
+    b = tokens.shape[0]
+    mb = b // m_
+    leaves, treedef = jax.tree.flatten(params)
+    outer_leaves, outer_def = jax.tree.flatten(outer)
+    dtypes = [a.dtype for a in leaves]
+
+    def split_mb(a):  # microbatch m = rows m, m+M, ... (stays split over the batch axes)
+        return constrain(a.reshape(mb, m_, *a.shape[1:]).swapaxes(0, 1), (None, "batch", "length"))
+
+    def staged(p_leaves):
+        return [constrain(a.reshape(s_, a.shape[0] // s_, *a.shape[1:]), ("stages", None) + tuple(ax[1:]))
+                for a, ax in zip(p_leaves, param_axes)]
+
+    def unstaged(p_leaves):
+        return [a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for a in p_leaves]
+
+    def stage(group_leaves, x):
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x)
+
+    def ys_cotangent(ys):
+        return {k: jnp.full(y.shape, ys_weights.get(k, 0.0) / m_, y.dtype) for k, y in ys.items()}
+
+    def run(p_leaves, outer_leaves, tokens, targets):
+        outer_ = jax.tree.unflatten(outer_def, outer_leaves)
+        toks, tgts = split_mb(tokens), split_mb(targets)
+        groups = staged(p_leaves)
+        x0 = jax.eval_shape(first_fn, outer_, toks[0])
+        out_shape = jax.eval_shape(jax.vmap(stage), groups, jnp.zeros((s_, *x0.shape), x0.dtype))
+        has_ys = ys_weights is not None
+        act = ("stages", "batch", "res_length", "act_embed")
+        zeros = lambda shape, dt: jnp.zeros(shape, dt)  # noqa: E731
+        carry = dict(
+            fwd=constrain(zeros((s_, *x0.shape), x0.dtype), act),
+            bwd=constrain(zeros((s_, *x0.shape), x0.dtype), act),
+            stash=constrain(zeros((s_, k_ + 1, *x0.shape), x0.dtype), ("stages", None, "batch", "res_length", "act_embed")),
+            dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:])) for g, ax in zip(groups, param_axes)],
+            douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in outer_leaves],
+            loss=jnp.zeros((s_,), jnp.float32),
+            ys=(jax.tree.map(lambda y: jnp.zeros(y.shape, jnp.float32), out_shape[1]) if has_ys else None),
+        )
+        stage_ids = jnp.arange(s_)
+        fwd_shift, bwd_shift = _shift(s_, 1), _shift(s_, -1)
+
+        def tick(t, group, s, fwd_in, bwd_in, stash, dgroup, douter, loss, ys_acc):
+            """One iteration of stage ``s`` (under the stage vmap)."""
+            f, bm = t - s, t - 2 * (s_ - 1) + s
+            f_ok, b_ok = (f >= 0) & (f < m_), (bm >= 0) & (bm < m_)
+            fm, bmm = jnp.clip(f, 0, m_ - 1), jnp.clip(bm, 0, m_ - 1)
+
+            def forward(stash):
+                x = jnp.where(s == 0, first_fn(outer_, toks[fm]), fwd_in)
+                y, ys = stage(group, x) if has_ys else (stage(group, x), None)
+                stash = jax.lax.dynamic_update_index_in_dim(stash, x, jnp.where(f_ok, fm % k_, k_), 0)
+                # the last stage: loss of the microbatch it just finished, and the gradient that starts its backward
+                loss_f, loss_vjp = jax.vjp(lambda o, h: last_fn(o, h, tgts[fm]), outer_leaves, y)
+                d_outer_last, dy = loss_vjp(jnp.ones((), loss_f.dtype) / m_)
+                return y, ys, stash, loss_f.astype(jnp.float32), d_outer_last, dy.astype(y.dtype)
+
+            def no_forward(stash):
+                ys = jax.tree.map(lambda o: jnp.zeros(o.shape[1:], o.dtype), out_shape[1]) if has_ys else None
+                return (jnp.zeros(x0.shape, x0.dtype), ys, stash, jnp.zeros((), jnp.float32),
+                        [jnp.zeros_like(o) for o in outer_leaves], jnp.zeros(x0.shape, x0.dtype))
+
+            y, ys, stash, loss_f, d_outer_last, dy = jax.lax.cond(t < m_ + s_ - 1, forward, no_forward, stash)
+            last_ok = (s == s_ - 1) & f_ok
+            loss = loss + jnp.where(last_ok, loss_f / m_, 0.0)
+            if has_ys:
+                ys_acc = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0), ys_acc, ys)
+
+            def backward(args):
+                dgroup, douter = args
+                g = jnp.where(s == s_ - 1, dy.astype(bwd_in.dtype), bwd_in)
+                x = jax.lax.dynamic_index_in_dim(stash, bmm % k_, 0, keepdims=False)
+                _, pullback = jax.vjp(stage, group, x)  # the stage's forward again, keeping what the remat policy keeps
+                if has_ys:
+                    ys_shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape[1:], o.dtype), out_shape[1])
+                    dgroup_b, dx = pullback((g, ys_cotangent(ys_shape)))
+                else:
+                    dgroup_b, dx = pullback(g)
+                _, emb_vjp = jax.vjp(lambda o: first_fn(o, toks[bmm]), outer_leaves)
+                (d_outer_first,) = emb_vjp(dx)
+                first_ok = (s == 0) & b_ok
+                dgroup = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(dgroup, dgroup_b)]
+                douter = [a + jnp.where(first_ok, d, 0).astype(a.dtype) for a, d in zip(douter, d_outer_first)]
+                return jnp.where(b_ok, dx, 0).astype(bwd_in.dtype), dgroup, douter
+
+            def no_backward(args):
+                return jnp.zeros_like(bwd_in), *args
+
+            dx, dgroup, douter = jax.lax.cond(t >= s_ - 1, backward, no_backward, (dgroup, douter))
+            douter = [a + jnp.where(last_ok, d, 0).astype(a.dtype) for a, d in zip(douter, d_outer_last)]
+            return y, dx, stash, dgroup, douter, loss, ys_acc
+
+        def iteration(c, t):
+            y, dx, stash, dgroup, douter, loss, ys_acc = jax.vmap(
+                tick, in_axes=(None, 0, 0, 0, 0, 0, 0, 0, 0, 0), spmd_axis_name="pipe")(
+                t, groups, stage_ids, c["fwd"], c["bwd"], c["stash"], c["dgroups"], c["douter"], c["loss"], c["ys"])
+            return dict(fwd=constrain(fwd_shift(constrain(y, act)), act), bwd=constrain(bwd_shift(constrain(dx, act)), act),
+                        stash=constrain(stash, ("stages", None, "batch", "res_length", "act_embed")), dgroups=dgroup,
+                        douter=[_stage_split(a) for a in douter], loss=loss, ys=ys_acc), None
+
+        c, _ = jax.lax.scan(iteration, carry, jnp.arange(m_ + 2 * (s_ - 1)))
+        loss = jnp.sum(c["loss"])
+        ys = None
+        if has_ys:  # [S, layers per stage, ...] -> [L, ...]
+            ys = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["ys"])
+            loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
+        dparams = [d.astype(dt) for d, dt in zip(unstaged(c["dgroups"]), dtypes)]
+        douter = [jnp.sum(a, axis=0).astype(o.dtype) for a, o in zip(c["douter"], outer_leaves)]
+        return (loss, ys), (dparams, douter)
+
+    @jax.custom_vjp
+    def f(p_leaves, outer_leaves, tokens, targets):
+        return primal(jax.tree.unflatten(treedef, p_leaves), jax.tree.unflatten(outer_def, outer_leaves),
+                      tokens, targets)
+
+    def f_fwd(p_leaves, outer_leaves, tokens, targets):
+        out, grads = run(p_leaves, outer_leaves, tokens, targets)
+        return out, grads
+
+    def f_bwd(grads, ct):
+        g = ct[0]
+        dparams, douter = grads
+        return [g * d for d in dparams], [g * d for d in douter], None, None
+
+    f.defvjp(f_fwd, f_bwd)
+    loss, ys = f(leaves, outer_leaves, tokens, targets)
+    return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
