@@ -71,11 +71,17 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
     from jaxpar.plots import plot_schedule
 
     m, r = cfg.parallel.microbatches or stages, cfg.parallel.pipeline_repeats
+    kind = cfg.parallel.pipeline_schedule
     bubble = bubble_fraction(stages, m, r)
-    log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "
-        f"bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
+    if kind == "1f1b":
+        log(f"pipeline: 1F1B, {stages} stages, {m} microbatches: {m + 2 * (stages - 1)} iterations, at most "
+            f"{min(m, 2 * stages - 1)} microbatches' stage inputs held per stage, bubble (S-1)/(M+S-1) = "
+            f"{100 * bubble:.1f}%")
+    else:
+        log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "
+            f"bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
     if out is not None:
-        plot_schedule(stages, m, r, out / "pipeline_schedule.png")
+        plot_schedule(stages, m, r, out / "pipeline_schedule.png", kind)
     return bubble
 
 

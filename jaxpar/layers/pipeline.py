@@ -49,25 +49,13 @@ def _rules() -> RuleSet:
     return rules
 
 
-def _shift_forward(stages: int):
-    """``state[s] -> state[s+1]`` over ``pipe`` by one ``ppermute`` (the last stage sends nothing)."""
+def _shift(stages: int, step: int, ring: bool = False):
+    """``state[s] -> state[s + step]`` over ``pipe`` by one ``ppermute`` (``step`` = +1 forward, -1 back);
+    with ``ring`` the end stage sends to the other end (circular schedule), else it sends nothing."""
     rules = _rules()
     spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
-    perm = [(s, s + 1) for s in range(stages - 1)]
+    perm = [(s, (s + step) % stages) for s in range(stages) if ring or 0 <= s + step < stages]
     return jax.shard_map(lambda x: jax.lax.ppermute(x, "pipe", perm), mesh=rules.mesh, in_specs=spec, out_specs=spec)
-
-
-def _last_stage(stages: int):
-    """``state[S-1]`` on every pipe device: one all-reduce (a broadcast from the last stage)."""
-    rules = _rules()
-    spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
-    out = rules.params.spec(("batch", "res_length", "act_embed"))
-
-    def local(x):
-        mine = jnp.where(jax.lax.axis_index("pipe") == stages - 1, x[0], jnp.zeros_like(x[0]))
-        return jax.lax.psum(mine, "pipe")
-
-    return jax.shard_map(local, mesh=rules.mesh, in_specs=spec, out_specs=out)
 
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
@@ -94,10 +82,15 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
         constrain(a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]), ("stages", None, None) + tuple(ax[1:]))
         for a, ax in zip(leaves, axes)])
     state = constrain(jnp.zeros((s_, mb, *x.shape[1:]), x.dtype), ("stages", *act))
-    done = jnp.zeros_like(xs)
+    # per stage, M microbatch slots (+1 where nothing is written), all holding the input microbatches at
+    # first: stage 0 takes them from there, and with R > 1 the microbatches coming round the ring wait
+    # there for their next repeat; the last stage files its outputs in its own. Every stage has a copy of
+    # the input (a local broadcast), so that the input's gradient is summed over pipe once, after the loop.
+    buf = jnp.concatenate([xs, jnp.zeros_like(xs[:1])])
+    buf = constrain(jnp.broadcast_to(buf[None], (s_, *buf.shape)), ("stages", None, *act))
     stage_ids = jnp.arange(s_)
     run_stages = jax.vmap(stage_fn, spmd_axis_name="pipe")
-    shift, last = _shift_forward(s_), _last_stage(s_)
+    shift = _shift(s_, 1, ring=r_ > 1)
 
     acc = None
     if outputs:
@@ -106,14 +99,20 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
         acc = jax.tree.map(lambda y: jnp.zeros((s_, r_, *y.shape[1:]), jnp.float32), ys_shape)
 
     def iteration(carry, t):
-        state, done, acc = carry
-        first = jnp.where(t < m_, xs[t % m_], done[t % m_])  # a fresh microbatch or one coming round
-        # shift one stage forward (one collective-permute over pipe); stage 0 takes `first`
-        is_first = (stage_ids == 0).reshape((s_,) + (1,) * (state.ndim - 1))
-        shifted = constrain(jnp.where(is_first, first[None], shift(state)), ("stages", *act))
+        state, buf, acc = carry
+        # one collective-permute over pipe: stage s gets stage s-1's output (stage 0 the last stage's, R > 1)
+        shifted = constrain(shift(state), ("stages", *act))
+
+        def enter(s, row, received):  # a stage's input: stage 0 takes a fresh microbatch or one coming round
+            if r_ > 1:
+                slot = jnp.where((s == 0) & (t >= s_), (t - s_) % m_, m_)
+                row = jax.lax.dynamic_update_index_in_dim(row, received, slot, 0)
+            return row, jnp.where(s == 0, row[t % m_], received)
+
+        buf, inputs = jax.vmap(enter, spmd_axis_name="pipe")(stage_ids, buf, shifted)
         repeat = jnp.clip((t - stage_ids) // m_, 0, r_ - 1)
         group = jax.vmap(lambda p, r: jax.tree.map(lambda a: a[r], p))(grouped, repeat)
-        state = run_stages(group, shifted)
+        state = run_stages(group, constrain(inputs, ("stages", *act)))
         if outputs:
             state, ys = state
             k = t - stage_ids  # which (repeat, microbatch) each stage holds; bubble if outside [0, M*R)
@@ -121,12 +120,16 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
             acc = jax.tree.map(lambda a, y: jax.vmap(lambda a_s, y_s, r, w: a_s.at[r].add(y_s.astype(a_s.dtype) * w))(
                 a, y, repeat, weight), acc, ys)
         state = constrain(state, ("stages", *act))
-        out = (t - (s_ - 1)) % m_
-        done = jnp.where(t >= s_ - 1, done.at[out].set(last(state)), done)
-        return (state, done, acc), None
+        # the last stage files the microbatch it finished (a local write: nothing crosses pipe)
+        done = (t >= s_ - 1) & (t - (s_ - 1) >= m_ * (r_ - 1))
+        buf = jax.vmap(lambda s, row, y: jax.lax.dynamic_update_index_in_dim(
+            row, y, jnp.where((s == s_ - 1) & done, (t - (s_ - 1)) % m_, m_), 0), spmd_axis_name="pipe")(
+            stage_ids, buf, state)
+        return (state, constrain(buf, ("stages", None, *act)), acc), None
 
-    (_, done, acc), _ = jax.lax.scan(iteration, (state, done, acc), jnp.arange(m_ * r_ + s_ - 1))
-    y = constrain(done.swapaxes(0, 1).reshape(x.shape), act)
+    (_, buf, acc), _ = jax.lax.scan(iteration, (state, buf, acc), jnp.arange(m_ * r_ + s_ - 1))
+    # the outputs to every pipe device at once (the head and the loss run outside the stages)
+    y = constrain(buf[s_ - 1, :m_].swapaxes(0, 1).reshape(x.shape), act)
     if not outputs:
         return y
     return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
@@ -147,14 +150,6 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[tupl
 
 
 # -- 1F1B ------------------------------------------------------------------------------------------
-
-def _shift(stages: int, step: int):
-    """``state[s] -> state[s + step]`` over ``pipe`` by one ``ppermute`` (``step`` = +1 forward, -1 back)."""
-    rules = _rules()
-    spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
-    perm = [(s, s + step) for s in range(stages) if 0 <= s + step < stages]
-    return jax.shard_map(lambda x: jax.lax.ppermute(x, "pipe", perm), mesh=rules.mesh, in_specs=spec, out_specs=spec)
-
 
 def _stage_split(a: jax.Array) -> jax.Array:
     """Pin the leading (stage) dim of a per-stage buffer to ``pipe``; the other dims are the compiler's."""
@@ -235,11 +230,13 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         out_shape = jax.eval_shape(jax.vmap(stage), groups, jnp.zeros((s_, *x0.shape), x0.dtype))
         has_ys = ys_weights is not None
         act = ("stages", "batch", "res_length", "act_embed")
-        zeros = lambda shape, dt: jnp.zeros(shape, dt)  # noqa: E731
+        per_mb = ("stages", None, "batch", "res_length", "act_embed")
         carry = dict(
-            fwd=constrain(zeros((s_, *x0.shape), x0.dtype), act),
-            bwd=constrain(zeros((s_, *x0.shape), x0.dtype), act),
-            stash=constrain(zeros((s_, k_ + 1, *x0.shape), x0.dtype), ("stages", None, "batch", "res_length", "act_embed")),
+            fwd=constrain(jnp.zeros((s_, *x0.shape), x0.dtype), act),
+            bwd=constrain(jnp.zeros((s_, *x0.shape), x0.dtype), act),
+            stash=constrain(jnp.zeros((s_, k_ + 1, *x0.shape), x0.dtype), per_mb),
+            # the first stage's input gradients, for the embedding's weight gradient after the loop
+            dins=constrain(jnp.zeros((s_, m_ + 1, *x0.shape), x0.dtype), per_mb),
             dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:])) for g, ax in zip(groups, param_axes)],
             douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in outer_leaves],
             loss=jnp.zeros((s_,), jnp.float32),
@@ -248,72 +245,94 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         stage_ids = jnp.arange(s_)
         fwd_shift, bwd_shift = _shift(s_, 1), _shift(s_, -1)
 
-        def tick(t, group, s, fwd_in, bwd_in, stash, dgroup, douter, loss, ys_acc):
-            """One iteration of stage ``s`` (under the stage vmap)."""
-            f, bm = t - s, t - 2 * (s_ - 1) + s
-            f_ok, b_ok = (f >= 0) & (f < m_), (bm >= 0) & (bm < m_)
-            fm, bmm = jnp.clip(f, 0, m_ - 1), jnp.clip(bm, 0, m_ - 1)
+        def tick(t, group, s, c, do_f: bool, do_b: bool):
+            """One iteration of stage ``s`` (under the stage vmap): a forward and/or a backward."""
+            c = dict(c)
+            y = dx = None
+            if do_f:
+                f = t - s
+                f_ok = (f >= 0) & (f < m_)
+                fm = jnp.clip(f, 0, m_ - 1)
 
-            def forward(stash):
-                x = jnp.where(s == 0, first_fn(outer_, toks[fm]), fwd_in)
-                y, ys = stage(group, x) if has_ys else (stage(group, x), None)
-                stash = jax.lax.dynamic_update_index_in_dim(stash, x, jnp.where(f_ok, fm % k_, k_), 0)
-                # the last stage: loss of the microbatch it just finished, and the gradient that starts its backward
-                loss_f, loss_vjp = jax.vjp(lambda o, h: last_fn(o, h, tgts[fm]), outer_leaves, y)
-                d_outer_last, dy = loss_vjp(jnp.ones((), loss_f.dtype) / m_)
-                return y, ys, stash, loss_f.astype(jnp.float32), d_outer_last, dy.astype(y.dtype)
+                def forward(c):
+                    c = dict(c)
+                    x = jnp.where(s == 0, first_fn(outer_, toks[fm]), c["fwd"])
+                    y, ys = stage(group, x) if has_ys else (stage(group, x), None)
+                    c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, jnp.where(f_ok, fm % k_, k_), 0)
+                    if has_ys:
+                        c["ys"] = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0),
+                                               c["ys"], ys)
+                    return c, y
 
-            def no_forward(stash):
-                ys = jax.tree.map(lambda o: jnp.zeros(o.shape[1:], o.dtype), out_shape[1]) if has_ys else None
-                return (jnp.zeros(x0.shape, x0.dtype), ys, stash, jnp.zeros((), jnp.float32),
-                        [jnp.zeros_like(o) for o in outer_leaves], jnp.zeros(x0.shape, x0.dtype))
-
-            y, ys, stash, loss_f, d_outer_last, dy = jax.lax.cond(t < m_ + s_ - 1, forward, no_forward, stash)
-            last_ok = (s == s_ - 1) & f_ok
-            loss = loss + jnp.where(last_ok, loss_f / m_, 0.0)
-            if has_ys:
-                ys_acc = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0), ys_acc, ys)
-
-            def backward(args):
-                dgroup, douter = args
-                g = jnp.where(s == s_ - 1, dy.astype(bwd_in.dtype), bwd_in)
-                x = jax.lax.dynamic_index_in_dim(stash, bmm % k_, 0, keepdims=False)
+                # the last S - 1 iterations have no forward left: skip it (t is the same on every stage)
+                c, y = jax.lax.cond(t < m_ + s_ - 1, forward, lambda c: (c, jnp.zeros(x0.shape, x0.dtype)), c)
+            if do_b:
+                bm = t - 2 * (s_ - 1) + s
+                b_ok = (bm >= 0) & (bm < m_)
+                bmm = jnp.clip(bm, 0, m_ - 1)
+                if do_f:  # the last stage: loss and gradients of the microbatch it just finished
+                    loss, loss_vjp = jax.vjp(lambda o, h: last_fn(o, h, tgts[bmm]), outer_leaves, y)
+                    d_last, dy = loss_vjp(jnp.ones((), loss.dtype) / m_)
+                    last_ok = (s == s_ - 1) & b_ok
+                    c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
+                    c["douter"] = [a + jnp.where(last_ok, d, 0).astype(a.dtype) for a, d in zip(c["douter"], d_last)]
+                    g = jnp.where(s == s_ - 1, dy.astype(x0.dtype), c["bwd"])
+                else:
+                    g = c["bwd"]
+                x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
                 _, pullback = jax.vjp(stage, group, x)  # the stage's forward again, keeping what the remat policy keeps
                 if has_ys:
                     ys_shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape[1:], o.dtype), out_shape[1])
-                    dgroup_b, dx = pullback((g, ys_cotangent(ys_shape)))
+                    dgroup, dx = pullback((g, ys_cotangent(ys_shape)))
                 else:
-                    dgroup_b, dx = pullback(g)
-                _, emb_vjp = jax.vjp(lambda o: first_fn(o, toks[bmm]), outer_leaves)
-                (d_outer_first,) = emb_vjp(dx)
-                first_ok = (s == 0) & b_ok
-                dgroup = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(dgroup, dgroup_b)]
-                douter = [a + jnp.where(first_ok, d, 0).astype(a.dtype) for a, d in zip(douter, d_outer_first)]
-                return jnp.where(b_ok, dx, 0).astype(bwd_in.dtype), dgroup, douter
+                    dgroup, dx = pullback(g)
+                c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
+                dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
+                c["dins"] = jax.lax.dynamic_update_index_in_dim(c["dins"], dx, jnp.where(b_ok, bmm, m_), 0)
+            return c, y, dx
 
-            def no_backward(args):
-                return jnp.zeros_like(bwd_in), *args
+        def phase(c, first: int, last: int, do_f: bool, do_b: bool):
+            """Iterations ``first .. last - 1``; each shifts what it computed to the next stage."""
+            if last <= first:
+                return c
 
-            dx, dgroup, douter = jax.lax.cond(t >= s_ - 1, backward, no_backward, (dgroup, douter))
-            douter = [a + jnp.where(last_ok, d, 0).astype(a.dtype) for a, d in zip(douter, d_outer_last)]
-            return y, dx, stash, dgroup, douter, loss, ys_acc
+            def iteration(c, t):
+                c, y, dx = jax.vmap(tick, in_axes=(None, 0, 0, 0, None, None), spmd_axis_name="pipe")(
+                    t, groups, stage_ids, c, do_f, do_b)
+                c = dict(c, stash=constrain(c["stash"], per_mb))
+                if do_b:
+                    c["dins"] = constrain(c["dins"], per_mb)
+                if do_f and do_b:
+                    c["douter"] = [_stage_split(a) for a in c["douter"]]
+                if do_f:
+                    c["fwd"] = constrain(fwd_shift(constrain(y, act)), act)
+                if do_b:
+                    c["bwd"] = constrain(bwd_shift(constrain(dx, act)), act)
+                return c, None
 
-        def iteration(c, t):
-            y, dx, stash, dgroup, douter, loss, ys_acc = jax.vmap(
-                tick, in_axes=(None, 0, 0, 0, 0, 0, 0, 0, 0, 0), spmd_axis_name="pipe")(
-                t, groups, stage_ids, c["fwd"], c["bwd"], c["stash"], c["dgroups"], c["douter"], c["loss"], c["ys"])
-            return dict(fwd=constrain(fwd_shift(constrain(y, act)), act), bwd=constrain(bwd_shift(constrain(dx, act)), act),
-                        stash=constrain(stash, ("stages", None, "batch", "res_length", "act_embed")), dgroups=dgroup,
-                        douter=[_stage_split(a) for a in douter], loss=loss, ys=ys_acc), None
+            return jax.lax.scan(iteration, c, jnp.arange(first, last))[0]
 
-        c, _ = jax.lax.scan(iteration, carry, jnp.arange(m_ + 2 * (s_ - 1)))
+        # warm-up (S - 1 iterations): forwards only; then one forward and one backward per iteration, the
+        # forward skipped in the last S - 1 (cool-down). A third loop for the cool-down would send S - 1
+        # fewer activations but, on XLA:CPU, give its body its own temporaries (+18 MiB on the MaxText layout).
+        c = dict(carry)
+        c.update(phase({k: carry[k] for k in ("fwd", "stash", "ys")}, 0, s_ - 1, True, False))
+        c = phase(c, s_ - 1, m_ + 2 * (s_ - 1), True, True)
+
+        def batch_of(a):  # [M, B/M, ...] of one stage -> [B, ...] in the batch's row order
+            return constrain(a[:m_].swapaxes(0, 1).reshape(b, *a.shape[2:]), ("batch", "res_length", "act_embed"))
+
+        # the embedding's weight gradient, once over the whole batch; the head's, summed over the stages
         loss = jnp.sum(c["loss"])
+        d_last = [jnp.sum(a, axis=0) for a in c["douter"]]
+        _, first_vjp = jax.vjp(lambda o: first_fn(jax.tree.unflatten(outer_def, o), tokens), outer_leaves)
+        (d_first,) = first_vjp(batch_of(c["dins"][0]))
         ys = None
         if has_ys:  # [S, layers per stage, ...] -> [L, ...]
             ys = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["ys"])
             loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
         dparams = [d.astype(dt) for d, dt in zip(unstaged(c["dgroups"]), dtypes)]
-        douter = [jnp.sum(a, axis=0).astype(o.dtype) for a, o in zip(c["douter"], outer_leaves)]
+        douter = [(a + f).astype(o.dtype) for a, f, o in zip(d_last, d_first, outer_leaves)]
         return (loss, ys), (dparams, douter)
 
     @jax.custom_vjp
@@ -333,3 +352,33 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     f.defvjp(f_fwd, f_bwd)
     loss, ys = f(leaves, outer_leaves, tokens, targets)
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
+
+
+def schedule_1f1b(stages: int, microbatches: int) -> list[list[tuple[tuple[str, int], ...]]]:
+    """``grid[s][t]``: the work of stage s at iteration t under 1F1B, a tuple of ``("F", m)`` (forward of
+    microbatch m) and ``("B", m)`` (its backward), empty in the bubble; the rule :func:`one_f_one_b`
+    follows: forward of m at t = m + s, backward at t = m + 2(S-1) - s. M + 2(S-1) iterations; the first
+    S - 1 run forwards only and the last S - 1 backwards only, so in time units of a forward (F) and a
+    backward (B) the schedule takes (M + S - 1)(F + B) and each stage idles (S-1)/(M+S-1) of it, as GPipe."""
+    s_, m_ = stages, microbatches
+    grid: list[list[tuple[tuple[str, int], ...]]] = [[() for _ in range(m_ + 2 * (s_ - 1))] for _ in range(s_)]
+    for s in range(s_):
+        for m in range(m_):
+            grid[s][m + s] += (("F", m),)
+            grid[s][m + 2 * (s_ - 1) - s] += (("B", m),)
+    return grid
+
+
+def in_flight(stages: int, microbatches: int) -> list[int]:
+    """Per stage, the most microbatches whose input a 1F1B stage holds at once (forwarded, not yet
+    backwarded): min(M, 2(S-1-s) + 1), at most :func:`stash_slots`."""
+    grid = schedule_1f1b(stages, microbatches)
+    out = []
+    for row in grid:
+        live, peak = 0, 0
+        for cell in row:
+            live += sum(op == "F" for op, _ in cell)
+            peak = max(peak, live)
+            live -= sum(op == "B" for op, _ in cell)
+        out.append(peak)
+    return out
