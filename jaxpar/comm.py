@@ -21,10 +21,14 @@ tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward
                   lookup's all-reduce, the loss's 3 floats per token and its input gradient.
                   Megatron-SP: per layer 2 all-gathers + 2 reduce-scatters forward and the same
                   backward; gradients of weights not split over tensor all-reduced over tensor
-pipe              per iteration (M R + S - 1 of them) one collective-permute of ``[rows, Tl, d]``
-                  forward and one backward, and the broadcast of the last stage's output (an
-                  all-reduce over pipe) forward and backward; every layer collective runs on each
-                  iteration, bubbles included (they compute on zeros)
+pipe              GPipe / circular: per iteration (M R + S - 1 of them) one collective-permute of
+                  ``[rows, Tl, d]`` forward and one backward; once per microstep the last stage's
+                  outputs to every stage (a permute and an all-reduce of the microstep's
+                  ``[rows, Tl, d]``, and the same backward); every layer collective runs on each
+                  iteration, bubbles included (they compute on zeros). 1F1B: 2M + 3S - 3 permutes
+                  (warm-up and steady forwards, steady backwards), the first stage's input gradients
+                  to every stage once, the embedding / head gradients summed over stages once; a
+                  layer runs forward M + 2S - 2 times and again before each of its M + S - 1 backwards
 expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward
 seq               all_gather: per layer K and V all-gathered forward, reduce-scattered backward;
                   ring: per layer N-1 hops of K and V each way; ulysses: 4 all-to-alls each way
@@ -125,12 +129,23 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     tl, d = m.seq_len // sizes["seq"], m.d_model
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     pipelined = s_ > 1
+    f1b = pipelined and par.pipeline_schedule == "1f1b"
     mb_ = par.microbatches or s_
     iters = mb_ * r_ + s_ - 1 if pipelined else 1
     # a layer runs `layer_runs` times per step on `layer_rows` sequences
     layer_rows = rows // mb_ if pipelined else rows
     layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
     remat = m.remat
+    # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
+    fwd_runs = bwd_runs = layer_runs
+    if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the stage for its backward
+        bwd_runs = k * (mb_ + s_ - 1) * (m.n_layers // s_)
+        fwd_runs = k * (mb_ + 2 * s_ - 2) * (m.n_layers // s_) + bwd_runs
+    redo_runs = bwd_runs if remat != "none" else 0
+    # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
+    # (the loss in each steady iteration, the lookup in each forward)
+    head_runs = (mb_ + s_ - 1) / mb_ if f1b else 1.0
+    lookup_runs = (mb_ + 2 * s_ - 2) / mb_ if f1b else 1.0
     terms: list[Term] = []
 
     def add(kind, axes, count, result, what):
@@ -148,6 +163,11 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         loops, local_iter = 1, local
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
             loops = k * (iters if leaf.stage and pipelined else 1)
+            if f1b and (leaf.stage or leaf.names in (("norm",), ("embed", "vocab"))):
+                loops = k * (mb_ + s_ - 1)  # accumulated in 1F1B's steady loop: the stages, the untied head
+            elif f1b and tied and leaf.names == ("vocab", "embed"):
+                loops = k * (mb_ + s_)  # a tied table: as the head in the loop, and once for the lookup after it
+
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
         # a dot contracting batch and sequence dims reduces over each split apart on XLA:CPU; weights
@@ -156,7 +176,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         joint = {"vocab", "experts", "router"} & set(leaf.names)
         split = platform == "cpu" and "seq" in red and len(red) > 1 and not joint
         groups = [(("seq",), ), (tuple(a for a in red if a != "seq"),)] if split else [(red,)]
-        copies = 2 if (platform == "cpu" and tied and leaf.names == ("vocab", "embed")) else 1
+        copies = 2 if (platform == "cpu" and tied and leaf.names == ("vocab", "embed") and not f1b) else 1
         for (axes,) in groups:
             sc = tuple(a for a in axes if a in scatter)
             if sc and platform != "cpu":
@@ -167,6 +187,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
+        if f1b and not leaf.stage:  # each stage's gradient of the embedding / head, summed over the stages
+            add("all-reduce", ("pipe",), k, local, "1F1B outer-weight gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
         if zero3:  # ZeRO-3: gathered before each use, in every gradient-accumulation microstep
             regather = leaf.stage and remat != "none"  # the layer's recompute gathers its weights again
@@ -180,27 +202,31 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     kept = () if remat == "none" else KEPT.get(remat, KEPT["save_dots"])  # offload keeps save_dots' (on host)
     # the backward's recompute of a layer redoes the attention-out all-reduce unless out_proj is kept
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
-    recompute_ar = int(remat != "none" and "out_proj" not in kept)
-    shared_runs = layer_runs // cfg.moe.every if m.arch == "moe" and cfg.moe.shared_experts else 0
+    recompute_ar = int("out_proj" not in kept)
+    block_ar = 2 * fwd_runs + 2 * bwd_runs + recompute_ar * redo_runs  # attention-out and MLP-down, and transposes
+    every = cfg.moe.every if m.arch == "moe" else 1
+    shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts
+    hk, lk = k * head_runs, k * lookup_runs
     if sizes["tensor"] > 1 and not par.megatron_sp:
-        add("all-reduce", tp, layer_runs * (4 + recompute_ar), act, "Megatron block all-reduces")
+        add("all-reduce", tp, block_ar, act, "Megatron block all-reduces")
         # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
-        add("all-reduce", tp, 2 * shared_runs, act, "shared experts' all-reduces")
-        add("all-reduce", tp, k, rows * tl * d * param_bytes, "vocab-parallel lookup")
-        add("all-reduce", tp, k, head_grad, "loss input gradient")
-        add("all-reduce", tp, 3 * k, rows * tl * 4, "loss max / sum / target over the vocabulary")
+        add("all-reduce", tp, shared * (fwd_runs + bwd_runs) // every, act, "shared experts' all-reduces")
+        add("all-reduce", tp, lk, rows * tl * d * param_bytes, "vocab-parallel lookup")
+        add("all-reduce", tp, hk, head_grad, "loss input gradient")
+        add("all-reduce", tp, 3 * hk, rows * tl * 4, "loss max / sum / target over the vocabulary")
     if sizes["tensor"] > 1 and par.megatron_sp:
         t_ = sizes["tensor"]
-        again = remat != "none"
-        add("all-gather", tp, layer_runs * (4 + 2 * again), act, "Megatron-SP column-layer input all-gathers")
-        add("reduce-scatter", tp, layer_runs * (4 + recompute_ar), act / t_, "Megatron-SP row-layer reduce-scatters")
+        add("all-gather", tp, 2 * fwd_runs + 2 * bwd_runs + 2 * redo_runs, act,
+            "Megatron-SP column-layer input all-gathers")
+        add("reduce-scatter", tp, block_ar, act / t_, "Megatron-SP row-layer reduce-scatters")
         # the shared experts' input all-gathers are the routed experts' (the same gather of the same value, CSE'd)
-        add("reduce-scatter", tp, 2 * shared_runs, act / t_, "Megatron-SP shared experts' reduce-scatters")
-        add("reduce-scatter", tp, k, head_act / t_, "Megatron-SP lookup reduce-scatter")
+        add("reduce-scatter", tp, shared * (fwd_runs + bwd_runs) // every, act / t_,
+            "Megatron-SP shared experts' reduce-scatters")
+        add("reduce-scatter", tp, lk, head_act / t_, "Megatron-SP lookup reduce-scatter")
         add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
-        add("all-gather", tp, k, head_act, "Megatron-SP head input all-gather")
-        add("reduce-scatter", tp, k, head_grad / t_, "Megatron-SP head input gradient")
-        add("all-reduce", tp, 3 * k, rows * tl * 4, "loss max / sum / target over the vocabulary")
+        add("all-gather", tp, hk, head_act, "Megatron-SP head input all-gather")
+        add("reduce-scatter", tp, hk, head_grad / t_, "Megatron-SP head input gradient")
+        add("all-reduce", tp, 3 * hk, rows * tl * 4, "loss max / sum / target over the vocabulary")
         for leaf in leaves:  # weights applied to sequence-split activations: partial sums over tensor
             if "tensor" not in _spec_axes(leaf.compute):
                 add("all-reduce", tp, 1, math.prod(leaf.shape) * param_bytes / _shards(leaf.compute, sizes),
@@ -209,34 +235,41 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # -- pipeline --------------------------------------------------------------------------------------
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
-        add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
-        add("all-reduce", ("pipe",), 2 * k * iters, res, "last stage's output broadcast (forward, backward)")
+        out = head_act / (sizes["tensor"] if par.megatron_sp else 1)  # a microstep's [rows, Tl, d]
+        if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
+            add("collective-permute", ("pipe",), k * (2 * mb_ + 3 * s_ - 3), res, "1F1B stage shifts")
+            add("all-reduce", ("pipe",), k, out, "1F1B first stage's input gradients to every stage")
+        else:
+            add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
+            add("collective-permute", ("pipe",), 2 * k, out, "last stage's outputs to every stage (forward, backward)")
+            add("all-reduce", ("pipe",), 2 * k, out, "outputs broadcast; input gradient summed over stages")
 
     # -- expert parallelism ----------------------------------------------------------------------------
     if m.arch == "moe" and sizes["expert"] > 1:
         e = cfg.moe
-        runs = layer_runs // e.every
         tokens = layer_rows * tl
         cap = expert_capacity(tokens, e.n_experts, e.top_k, e.capacity_factor, e.dropless)
         buf = e.n_experts * cap * d * act_bytes
-        add("all-to-all", ("expert",), runs * (4 + 2 * (remat != "none")), buf, "MoE dispatch / combine")
+        add("all-to-all", ("expert",), 2 * (fwd_runs + bwd_runs + redo_runs) // e.every, buf, "MoE dispatch / combine")
 
     # -- sequence parallelism --------------------------------------------------------------------------
     n = sizes["seq"]
     if n > 1:
         hd, h_l, kv_l = m.head_dim, m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"]
         kv_block = layer_rows * tl * kv_l * hd * act_bytes
-        redo = int(remat != "none")  # the forward exchange again when the backward recomputes attention
+        # redo_runs: the forward exchange again when the backward recomputes attention
         if par.seq_attention == "all_gather":
-            add("all-gather", ("seq",), layer_runs * 2 * (1 + redo), kv_block * n, "K/V all-gather")
-            add("reduce-scatter", ("seq",), layer_runs * 2, kv_block, "K/V gradient reduce-scatter")
+            add("all-gather", ("seq",), 2 * (fwd_runs + redo_runs), kv_block * n, "K/V all-gather")
+            add("reduce-scatter", ("seq",), 2 * bwd_runs, kv_block, "K/V gradient reduce-scatter")
         elif par.seq_attention == "ring":
-            add("collective-permute", ("seq",), layer_runs * 2 * (n - 1) * (2 + redo), kv_block, "ring K/V hops")
+            add("collective-permute", ("seq",), 2 * (n - 1) * (fwd_runs + bwd_runs + redo_runs), kv_block,
+                "ring K/V hops")
         else:
             q_block = layer_rows * tl * h_l * hd * act_bytes
-            redo_out = int(redo and "attention" not in kept)  # a kept attention output is not sent back again
-            add("all-to-all", ("seq",), layer_runs * (2 + redo + 2 + redo_out), q_block, "Ulysses q in, output back")
-            add("all-to-all", ("seq",), layer_runs * 2 * (2 + redo), kv_block, "Ulysses k, v in")
+            redo_out = int("attention" not in kept)  # a kept attention output is not sent back again
+            add("all-to-all", ("seq",), 2 * fwd_runs + 2 * bwd_runs + (1 + redo_out) * redo_runs, q_block,
+                "Ulysses q in, output back")
+            add("all-to-all", ("seq",), 2 * (fwd_runs + bwd_runs + redo_runs), kv_block, "Ulysses k, v in")
     return terms
 
 

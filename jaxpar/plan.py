@@ -4,7 +4,8 @@
     python -m jaxpar.plan --config configs/default.yaml --cluster cpu --nodes 1 --check 3
 
 Every layout of the cluster's devices over ``data x pipe x expert x seq x tensor`` (sizes dividing the
-device count), with ZeRO 0/1/3, remat none/full and, with pipes, ``M = S, 2S, 4S`` microbatches, is
+device count), with ZeRO 0/1/3, remat none/full and, with pipes, ``M = S, 2S, 4S`` microbatches and the
+GPipe or 1F1B schedule, is
 checked with train.py's own checks (divisibility of heads, layers, batch, ...), estimated, dropped
 when it does not fit the device memory, and ranked by estimated step time. The model, per device:
 
@@ -17,13 +18,16 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` (MoE: ``top_k x capacity_factor`` of it) +
   the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
   (``xla``; flash kernels do not). Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
-  a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share. Plus the loss chunk's
-  float32 logits (3 x ``chunk x vocab / t``).
+  a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share; 1F1B keeps the stage inputs of
+  ``min(M, 2S - 1)`` microbatches and one microbatch's stage activations while its backward runs,
+  and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
+  (3 x ``chunk x vocab / t``).
 * **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
   ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
 * **compute**: model flops (:mod:`jaxpar.flops`) per device, plus the recomputed forward
-  (``full``: one more forward, 1/3 of the step) and the pipeline bubble ``(M + S - 1) / M``; at
+  (``full``: one more forward, 1/3 of the step; 1F1B: one more, its stage recompute) and the pipeline
+  bubble ``(M + S - 1) / M``; at
   ``efficiency`` x peak (default 0.5).
 * **time**: compute + communication, none of it overlapped (an upper bound; the ranking is what is used).
 
@@ -103,9 +107,10 @@ def layouts(n: int, pipe_ok: bool = True, moe: bool = False):
             if zero and par["data"] * par["expert"] * par["seq"] == 1:
                 continue  # nothing to shard over
             mbs = [par["pipe"] * f for f in (1, 2, 4)] if par["pipe"] > 1 else [0]
-            for mb in mbs:
+            for mb, sched in itertools.product(mbs, ("gpipe", "1f1b") if par["pipe"] > 1 else ("gpipe",)):
                 yield {**{f"parallel.{a}": v for a, v in par.items()}, "parallel.zero": zero,
-                       "parallel.microbatches": mb, "model.remat": remat}
+                       "parallel.microbatches": mb, "model.remat": remat,
+                       **({"parallel.pipeline_schedule": sched} if par["pipe"] > 1 else {})}
 
 
 class Planner:
@@ -182,7 +187,8 @@ class Planner:
         s_, mb = sizes["pipe"], par.microbatches or sizes["pipe"]
         est.bubble = (mb + s_ - 1) / mb if s_ > 1 else 1.0
         model = flops.model_flops_per_step(cfg) / self.n
-        work = model * (4 / 3 if m.remat != "none" else 1.0) * est.bubble
+        recompute = (m.remat != "none") + (s_ > 1 and par.pipeline_schedule == "1f1b")  # extra forwards
+        work = model * (1 + recompute / 3) * est.bubble
         est.compute_seconds = work / (self.cluster.peak_tflops * 1e12 * self.efficiency)
         est.step_seconds = est.compute_seconds + est.comm_seconds
         est.mfu = model / (est.step_seconds * self.cluster.peak_tflops * 1e12)
@@ -224,9 +230,15 @@ class Planner:
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
         # plus one layer's working set again: the backward's gradients of it (and, under remat, its recompute)
         act = (layers * held * (working if m.remat == "none" else d) + micro * working) * ab
-        if s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
+        f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
+        if f1b:
+            m_ = par.microbatches or s_
+            act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * (working if m.remat == "none" else d)
+                   + micro * working + tokens * d) * ab
+        elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
             act += 4 * tokens * d * ab
-        chunk = min(tokens, m.loss_chunk_tokens or tokens)
+        head_tokens = micro if f1b else tokens  # 1F1B's loss runs per microbatch
+        chunk = min(head_tokens, m.loss_chunk_tokens or head_tokens)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
         return act, 3 * chunk * vocab * 4
 
@@ -255,6 +267,8 @@ def describe(ov: dict) -> str:
     extra = [f"zero={ov['parallel.zero']}", f"remat={ov['model.remat']}"]
     if ov.get("parallel.microbatches"):
         extra.append(f"M={ov['parallel.microbatches']}")
+    if ov.get("parallel.pipeline_schedule", "gpipe") != "gpipe":
+        extra.append(ov["parallel.pipeline_schedule"])
     return f"{par} ({', '.join(extra)})"
 
 

@@ -82,12 +82,11 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
         constrain(a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]), ("stages", None, None) + tuple(ax[1:]))
         for a, ax in zip(leaves, axes)])
     state = constrain(jnp.zeros((s_, mb, *x.shape[1:]), x.dtype), ("stages", *act))
-    # per stage, M microbatch slots (+1 where nothing is written), all holding the input microbatches at
+    # per stage, M microbatch slots, all holding the input microbatches at
     # first: stage 0 takes them from there, and with R > 1 the microbatches coming round the ring wait
     # there for their next repeat; the last stage files its outputs in its own. Every stage has a copy of
     # the input (a local broadcast), so that the input's gradient is summed over pipe once, after the loop.
-    buf = jnp.concatenate([xs, jnp.zeros_like(xs[:1])])
-    buf = constrain(jnp.broadcast_to(buf[None], (s_, *buf.shape)), ("stages", None, *act))
+    buf = constrain(jnp.broadcast_to(xs[None], (s_, *xs.shape)), ("stages", None, *act))
     stage_ids = jnp.arange(s_)
     run_stages = jax.vmap(stage_fn, spmd_axis_name="pipe")
     shift = _shift(s_, 1, ring=r_ > 1)
@@ -105,8 +104,7 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
 
         def enter(s, row, received):  # a stage's input: stage 0 takes a fresh microbatch or one coming round
             if r_ > 1:
-                slot = jnp.where((s == 0) & (t >= s_), (t - s_) % m_, m_)
-                row = jax.lax.dynamic_update_index_in_dim(row, received, slot, 0)
+                row = _put(row, received, (t - s_) % m_, (s == 0) & (t >= s_))
             return row, jnp.where(s == 0, row[t % m_], received)
 
         buf, inputs = jax.vmap(enter, spmd_axis_name="pipe")(stage_ids, buf, shifted)
@@ -122,14 +120,13 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
         state = constrain(state, ("stages", *act))
         # the last stage files the microbatch it finished (a local write: nothing crosses pipe)
         done = (t >= s_ - 1) & (t - (s_ - 1) >= m_ * (r_ - 1))
-        buf = jax.vmap(lambda s, row, y: jax.lax.dynamic_update_index_in_dim(
-            row, y, jnp.where((s == s_ - 1) & done, (t - (s_ - 1)) % m_, m_), 0), spmd_axis_name="pipe")(
-            stage_ids, buf, state)
+        buf = jax.vmap(lambda s, row, y: _put(row, y, (t - (s_ - 1)) % m_, (s == s_ - 1) & done),
+                       spmd_axis_name="pipe")(stage_ids, buf, state)
         return (state, constrain(buf, ("stages", None, *act)), acc), None
 
     (_, buf, acc), _ = jax.lax.scan(iteration, (state, buf, acc), jnp.arange(m_ * r_ + s_ - 1))
     # the outputs to every pipe device at once (the head and the loss run outside the stages)
-    y = constrain(buf[s_ - 1, :m_].swapaxes(0, 1).reshape(x.shape), act)
+    y = constrain(buf[s_ - 1].swapaxes(0, 1).reshape(x.shape), act)
     if not outputs:
         return y
     return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
@@ -150,6 +147,12 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[tupl
 
 
 # -- 1F1B ------------------------------------------------------------------------------------------
+
+def _put(buf: jax.Array, value: jax.Array, slot, ok) -> jax.Array:
+    """``buf[slot] = value`` where ``ok``, else unchanged (one slot read and written either way)."""
+    old = jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), slot, 0)
+
 
 def _stage_split(a: jax.Array) -> jax.Array:
     """Pin the leading (stage) dim of a per-stage buffer to ``pipe``; the other dims are the compiler's."""
@@ -234,9 +237,9 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         carry = dict(
             fwd=constrain(jnp.zeros((s_, *x0.shape), x0.dtype), act),
             bwd=constrain(jnp.zeros((s_, *x0.shape), x0.dtype), act),
-            stash=constrain(jnp.zeros((s_, k_ + 1, *x0.shape), x0.dtype), per_mb),
+            stash=constrain(jnp.zeros((s_, k_, *x0.shape), x0.dtype), per_mb),
             # the first stage's input gradients, for the embedding's weight gradient after the loop
-            dins=constrain(jnp.zeros((s_, m_ + 1, *x0.shape), x0.dtype), per_mb),
+            dins=constrain(jnp.zeros((s_, m_, *x0.shape), x0.dtype), per_mb),
             dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:])) for g, ax in zip(groups, param_axes)],
             douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in outer_leaves],
             loss=jnp.zeros((s_,), jnp.float32),
@@ -258,7 +261,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                     c = dict(c)
                     x = jnp.where(s == 0, first_fn(outer_, toks[fm]), c["fwd"])
                     y, ys = stage(group, x) if has_ys else (stage(group, x), None)
-                    c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, jnp.where(f_ok, fm % k_, k_), 0)
+                    c["stash"] = _put(c["stash"], x, fm % k_, f_ok)
                     if has_ys:
                         c["ys"] = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0),
                                                c["ys"], ys)
@@ -288,7 +291,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                     dgroup, dx = pullback(g)
                 c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
                 dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
-                c["dins"] = jax.lax.dynamic_update_index_in_dim(c["dins"], dx, jnp.where(b_ok, bmm, m_), 0)
+                c["dins"] = _put(c["dins"], dx, bmm, b_ok)
             return c, y, dx
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
@@ -320,7 +323,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         c = phase(c, s_ - 1, m_ + 2 * (s_ - 1), True, True)
 
         def batch_of(a):  # [M, B/M, ...] of one stage -> [B, ...] in the batch's row order
-            return constrain(a[:m_].swapaxes(0, 1).reshape(b, *a.shape[2:]), ("batch", "res_length", "act_embed"))
+            return constrain(a.swapaxes(0, 1).reshape(b, *a.shape[2:]), ("batch", "res_length", "act_embed"))
 
         # the embedding's weight gradient, once over the whole batch; the head's, summed over the stages
         loss = jnp.sum(c["loss"])
