@@ -45,11 +45,11 @@ def saved_on_data8(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", [
     {"parallel__data": 2, "parallel__tensor": 4},
-    {"parallel__pipe": 2, "parallel__data": 4},
+    {"parallel__pipe": 2, "parallel__data": 4, "parallel__pipeline_schedule": "1f1b"},
     {"parallel__pipe": 2, "parallel__data": 2, "parallel__tensor": 2, "parallel__pipeline_repeats": 2},
     {"parallel__data": 2, "parallel__tensor": 2, "parallel__zero": 3},  # 4 devices
     {"parallel__data": 2, "parallel__expert": 2, "parallel__seq": 2},
-], ids=["data2xtensor4", "pipe2xdata4", "circular-pipe2xdata2xtensor2", "4devices-zero3", "data2xexpert2xseq2"])
+], ids=["data2xtensor4", "1f1b-pipe2xdata4", "circular-pipe2xdata2xtensor2", "4devices-zero3", "data2xexpert2xseq2"])
 def test_restore_on_another_mesh_continues_the_same_losses(saved_on_data8, layout):
     directory, want, bs = saved_on_data8
     cfg = config("gpt2", **MODEL, **layout)

@@ -102,11 +102,15 @@ def test_pipeline_run_reports_bubble_and_chart(tmp_path):
 
 
 def test_pipeline_run_on_text_evaluates_and_samples(tmp_path):
-    """The pipeline layout of the issue that used to fail at the end (sampling built a batch the
-    pipeline could not cut into its 4 microbatches): evaluation and the sample run, exit 0."""
+    """The README's 1F1B command on text (a layout that used to fail at the end: sampling built a batch
+    the pipeline could not cut into its 4 microbatches): training, evaluation and the sample run, exit 0,
+    and the schedule chart is 1F1B's."""
     out = tmp_path / "t"
     p = train(*SMALL, "data.source=shakespeare", "model.vocab_size=300", f"data.cache_dir={tmp_path}/cache",
-              "parallel.pipe=2", "parallel.data=4", "parallel.microbatches=4", "train.batch_size=16", "train.steps=2",
+              "parallel.pipe=2", "parallel.data=4", "parallel.tensor=1", "parallel.microbatches=4",
+              "parallel.pipeline_schedule=1f1b", "train.batch_size=16", "train.steps=2",
               "train.eval_batches=1", "sample.tokens=6", f"train.out_dir={out}")
     assert "--- sample" in p.stdout and (out / "sample.txt").read_text().startswith("ROMEO:")
+    assert "pipeline: 1F1B, 2 stages, 4 microbatches: 6 iterations" in p.stdout
+    assert (out / "pipeline_schedule.png").stat().st_size > 5000
     assert "val_loss" in metrics(out)[-1]

@@ -1,7 +1,7 @@
 """All five axes at once (data=2 x pipe=2 x expert=2 x seq=2 x tensor=2 = 32 simulated devices) give
 the loss and gradients of one device: the dense GPT (expert = extra data parallelism; ring
-attention) and the MoE model (experts split over `expert`; Ulysses attention), and their collectives are the
-communication model's. Runs in a subprocess that asks for 32 CPU devices."""
+attention; the GPipe schedule) and the MoE model (experts split over `expert`; Ulysses attention; the 1F1B
+schedule), and their collectives are the communication model's. Runs in a subprocess that asks for 32 CPU devices."""
 
 from helpers import run_script
 
@@ -22,7 +22,8 @@ moe = dict(over, model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacit
            moe__aux_loss_weight=0.0, moe__z_loss_weight=0.0)
 ref = loss_grads(config("llama_gqa", **moe))
 got = loss_grads(config("llama_gqa", parallel__data=2, parallel__pipe=2, parallel__expert=2, parallel__seq=2,
-                        parallel__tensor=2, parallel__seq_attention="ulysses", **moe))
+                        parallel__tensor=2, parallel__seq_attention="ulysses", parallel__pipeline_schedule="1f1b",
+                        **moe))
 assert rel_err(got[0], ref[0]) <= 1e-5, (got[0], ref[0])
 assert_trees_close(got[1], ref[1], 1e-5, "moe grads ")
 print("moe loss", got[0], ref[0])
@@ -31,7 +32,8 @@ from test_comm import check
 from helpers import trainer
 five = dict(parallel__data=2, parallel__pipe=2, parallel__expert=2, parallel__seq=2, parallel__tensor=2)
 check(trainer(config("llama_gqa", parallel__seq_attention="ring", **over, **five)), "five axes, dense, ring")
-check(trainer(config("llama_gqa", parallel__seq_attention="ulysses", **moe, **five)), "five axes, MoE, ulysses")
+check(trainer(config("llama_gqa", parallel__seq_attention="ulysses", parallel__pipeline_schedule="1f1b", **moe,
+                     **five)), "five axes, MoE, ulysses, 1F1B")
 print("five axes ok")
 """
 

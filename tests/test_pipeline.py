@@ -9,7 +9,8 @@ import pytest
 
 from helpers import assert_trees_close, config, first_step, rel_err, trainer
 from jaxpar.config import ConfigError
-from jaxpar.layers.pipeline import bubble_fraction, schedule, stage_major_order
+from jaxpar.layers.pipeline import (bubble_fraction, in_flight, schedule, schedule_1f1b, stage_major_order,
+                                    stash_slots)
 
 L4 = dict(model__n_layers=4)
 
@@ -36,7 +37,6 @@ def single():
 CASES = [
     ("gpt2", dict(parallel__pipe=2)),
     ("gpt2", dict(parallel__pipe=4)),
-    ("gpt2", dict(parallel__pipe=2, parallel__microbatches=4)),
     ("gpt2", dict(parallel__pipe=2, parallel__microbatches=8)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2)),
@@ -46,6 +46,18 @@ CASES = [
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4)),
     # MoE groups of [dense, MoE]: the group's inner stack is a plain scan inside its stage
     ("moe_every2", dict(parallel__pipe=2, parallel__data=2)),
+    # 1F1B: pipe 2 and 4, M = S, 2S, 4S, with data, tensor, seq + Megatron-SP, ZeRO-1 + accumulation, MoE
+    ("gpt2", dict(parallel__pipe=2, parallel__pipeline_schedule="1f1b")),
+    ("gpt2", dict(parallel__pipe=2, parallel__microbatches=8, parallel__pipeline_schedule="1f1b")),
+    ("gpt2", dict(parallel__pipe=4, parallel__microbatches=8, parallel__data=2, parallel__pipeline_schedule="1f1b")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2, parallel__microbatches=4,
+                       parallel__pipeline_schedule="1f1b", model__remat="save_dots")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__megatron_sp=True,
+                       parallel__pipeline_schedule="1f1b")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, train__grad_accum=2,
+                       parallel__pipeline_schedule="1f1b")),
+    ("moe_every2", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4,
+                        parallel__pipeline_schedule="1f1b")),
 ]
 # MoE through the pipeline: router losses weighted 0 (their batch-mean products change with the
 # microbatching); nothing drops (capacity factor E/k), so cross-entropy and gradients are exact.
@@ -69,20 +81,34 @@ def _report(**layout):
     return trainer(config("llama", **L4, **layout)).compile()
 
 
-@pytest.mark.parametrize("repeats", [1, 2])
-def test_collective_permutes_and_no_weight_gathers(repeats):
-    """Each iteration shifts one microbatch's activations; the stage weights never move: no
-    all-gather at all, also of the tensor-split weights (a stage keeps them split) and when a
-    circular pipeline picks each iteration's layer group."""
-    rep = _report(parallel__pipe=2, parallel__data=2, parallel__tensor=2, parallel__pipeline_repeats=repeats)
-    c = rep["collectives"]
-    cp = c["collective-permute"]["by_axes"]["pipe"]
-    m = 2  # microbatches default to the stage count
-    assert cp["count"] == 2 * (m * repeats + 2 - 1)  # each iteration: the shift forward, and its transpose backward
-    assert c["all-gather"]["count"] == 0, c["all-gather"]
+@pytest.mark.parametrize("sched", [dict(), dict(parallel__pipeline_repeats=2), dict(parallel__pipeline_schedule="1f1b")],
+                         ids=["gpipe", "circular", "1f1b"])
+def test_pipe_traffic_is_point_to_point(sched):
+    """What crosses ``pipe`` per step, counted in the compiled program at M = S and M = 8S (S = 2):
+    each iteration shifts one microbatch's activations (and its gradient back) by a collective-permute;
+    the all-reduces over pipe are a fixed few per step (outputs to every stage, input / outer-weight
+    gradients summed over stages), none per iteration; the stage weights never move (no all-gather at
+    all, also of the tensor-split weights and of a circular pipeline's layer groups). 1F1B at M = 8S
+    moves within 1.1x of the minimum, each microbatch's boundary activation once forward and its
+    gradient once backward."""
     cfg = config("llama", **L4)
-    act = (cfg.train.batch_size // m // 2) * cfg.model.seq_len * cfg.model.d_model * 4  # microbatch / data
-    assert c["collective-permute"]["max_bytes"] == act
+    per_row = cfg.model.seq_len * cfg.model.d_model * 4
+    reduces = {}
+    for m in (2, 16):
+        c = _report(parallel__pipe=2, parallel__data=2, parallel__tensor=2, parallel__microbatches=m,
+                    train__batch_size=2 * m * 2, **sched)["collectives"]  # 2 rows per microbatch and data shard
+        assert c["all-gather"]["count"] == 0, c["all-gather"]
+        cp, act = c["collective-permute"]["by_axes"]["pipe"], 2 * per_row
+        r = sched.get("parallel__pipeline_repeats", 1)
+        if "parallel__pipeline_schedule" in sched:
+            assert cp["count"] == 2 * m + 3 * 2 - 3 and cp["bytes"] == cp["count"] * act
+            if m == 16:
+                assert cp["bytes"] <= 1.1 * (2 * m * act), (cp["bytes"], 2 * m * act)
+        else:  # 2(MR + S - 1) shifts, and the outputs (M microbatches) to every stage and back once
+            iters = m * r + 2 - 1
+            assert cp["count"] == 2 * iters + 2 and cp["bytes"] == 2 * iters * act + 2 * m * act
+        reduces[m] = c["all-reduce"]["by_axes"]["pipe"]["count"]
+    assert reduces[2] == reduces[16] <= 3, reduces
 
 
 def test_stage_weights_are_split_over_pipe():
@@ -101,7 +127,7 @@ def _stack_flops(**lay):
     return f[1] - f[0]
 
 
-@pytest.mark.parametrize("s, m, r", [(2, 2, 1), (2, 2, 2)])
+@pytest.mark.parametrize("s, m, r", [(2, 2, 2)])
 def test_flops_follow_the_schedule(s, m, r):
     """Bubble iterations compute (on zeros): per device, the layer stack's matmul flops are
     (M*R+S-1)/(M*R) x 1/S of the non-pipelined stack's."""
@@ -127,11 +153,49 @@ def test_schedule_and_bubble():
                     assert ts[0] > grid[s - 1].index((mb, rr - 1))
 
 
+def test_1f1b_schedule():
+    """Every microbatch's forward on stage s at t = m + s and its backward at m + 2(S-1) - s: forwards
+    move down the stages and backwards up, one stage per iteration; a stage never holds more than
+    2S - 1 microbatches (min(M, 2(S-1-s) + 1)); the busy share in forward + backward time is GPipe's."""
+    for s_, m_ in [(2, 2), (4, 4), (4, 16), (3, 5)]:
+        grid = schedule_1f1b(s_, m_)
+        assert all(len(row) == m_ + 2 * (s_ - 1) for row in grid)
+        for m in range(m_):
+            f = [next(t for t, c in enumerate(row) if ("F", m) in c) for row in grid]
+            b = [next(t for t, c in enumerate(row) if ("B", m) in c) for row in grid]
+            assert f == list(range(f[0], f[0] + s_)) and b == list(range(b[0], b[0] - s_, -1))
+            assert b[s_ - 1] == f[s_ - 1] and all(bs > fs for bs, fs in zip(b[:-1], f[:-1]))
+        assert in_flight(s_, m_) == [min(m_, 2 * (s_ - 1 - s) + 1) for s in range(s_)]
+        assert max(in_flight(s_, m_)) <= stash_slots(s_)
+        # time: iterations with only forwards cost F, only backwards B, both F + B; with B = 2F
+        cost = sum(3 if {op for row in grid for op, _ in row[t]} == {"F", "B"} else
+                   (1 if all(op == "F" for row in grid for op, _ in row[t]) else 2) for t in range(len(grid[0])))
+        assert abs(1 - 3 * m_ / cost - bubble_fraction(s_, m_)) < 1e-12
+
+
+def test_1f1b_memory_stays_flat_in_microbatches():
+    """Per-device temporaries of the compiled step at a fixed microbatch size: 1F1B at M = 8S within
+    1.3x of M = S (its stages hold at most 2S - 1 microbatches); GPipe's grow with M (all of them)."""
+    temp = {}
+    for sched in ("gpipe", "1f1b"):
+        for m in (2, 16):
+            t = trainer(config("llama", **L4, parallel__pipe=2, parallel__microbatches=m, parallel__pipeline_schedule=sched,
+                               train__batch_size=4 * m), 2)
+            temp[sched, m] = t.compile()["memory"]["temp_size"]
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
+    assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 2], temp
+    assert temp["gpipe", 16] >= 3 * temp["gpipe", 2], temp
+
+
 def test_schedule_chart(tmp_path):
-    from jaxpar.plots import plot_schedule
+    from jaxpar.plots import main, plot_schedule
 
     plot_schedule(4, 8, 2, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 5000
+    assert main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(tmp_path / "f.png")]) == 0
+    assert (tmp_path / "f.png").stat().st_size > 5000
+    assert main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--repeats", "2",
+                 "--out", str(tmp_path / "g.png")]) == 2
 
 
 @pytest.mark.parametrize("layout, needle", [
@@ -141,6 +205,10 @@ def test_schedule_chart(tmp_path):
     (dict(**L4, parallel__pipe=2, parallel__microbatches=3), "must split into parallel.microbatches=3"),
     (dict(**L4, parallel__pipe=2, parallel__data=4, parallel__microbatches=8), "each divisible by the batch-parallel"),
     (dict(**L4, parallel__pipe=2, parallel__data=2, parallel__zero=3), "parallel.zero=3 with parallel.pipe > 1"),
+    (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=2, parallel__pipeline_schedule="1f1b"),
+     "interleaved 1F1B is not implemented"),
+    (dict(**L4, parallel__pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
+    (dict(**L4, parallel__pipe=2, parallel__pipeline_schedule="pipedream"), "parallel.pipeline_schedule"),
 ])
 def test_bad_pipeline_input(layout, needle):
     with pytest.raises(ConfigError) as e:
