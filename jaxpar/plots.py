@@ -86,7 +86,8 @@ def check_schedule_args(stages: int, microbatches: int, repeats: int, out: str |
     if kind not in ("gpipe", "1f1b"):
         raise ValueError(f"--schedule={kind}: choose gpipe or 1f1b")
     if kind == "1f1b" and repeats > 1:
-        raise ValueError(f"--schedule=1f1b with --repeats={repeats}: interleaved 1F1B is not implemented; use --repeats 1")
+        raise ValueError(f"--schedule=1f1b with --repeats={repeats}: interleaved 1F1B is not implemented; "
+                         "use --repeats 1")
     if repeats > 1 and microbatches < stages:
         raise ValueError(f"a circular schedule (--repeats={repeats}) needs --microbatches >= --stages ({stages}); "
                          f"got {microbatches}")

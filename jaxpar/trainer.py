@@ -213,14 +213,11 @@ class Trainer:
         return jax.jit(init, out_shardings=self.state_shardings)(params)
 
     def layer_order(self, n: int) -> np.ndarray:
-        """``order[p]``: the layer a stack of ``n`` layers stores at position p (stage-major under a
-        circular pipeline, see :func:`~jaxpar.layers.pipeline.stage_major_order`; else ``0..n-1``)."""
-        s, r = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
-        if s == 1 or r == 1:
-            return np.arange(n)
-        from jaxpar.layers.pipeline import stage_major_order
+        """``order[p]``: the layer a stack of ``n`` layers stores at position p on this layout
+        (:func:`jaxpar.layers.stack.storage_order`)."""
+        from jaxpar.layers.stack import storage_order
 
-        return np.asarray(stage_major_order(n, s, r))
+        return storage_order(n, self.sizes["pipe"], self.cfg.parallel.pipeline_repeats)
 
     def _layer_permutation(self, inverse: bool):
         """The stacked-layer permutation of circular pipelines (None when storage is layer order)."""
@@ -238,7 +235,7 @@ class Trainer:
         return stacked, permute
 
     def to_storage_order(self, params: dict) -> dict:
-        """Circular pipelines store stacked layers stage-major (see :func:`stage_major_order`); the
+        """Stacked layers in the layout's storage order (:func:`jaxpar.layers.stack.storage_order`); the
         model builds them in layer order, so the same seed gives the same layers on every mesh."""
         perm = self._layer_permutation(inverse=False)
         return params if perm is None else jax.tree.map(perm[1], params, perm[0])

@@ -1,7 +1,7 @@
 """A decoder-only GPT in Flax NNX, written once against logical axis names.
 
     x = embed(tokens) (+ learned positions)
-    for each of n_layers blocks (stacked weights, applied with lax.scan):
+    for each of n_layers blocks (a jaxpar.layers.Stack: stacked weights, a scan or the pipeline):
         x = x + attn(norm1(x))          # RoPE inside attention when positions == "rope"
         x = x + mlp(norm2(x))
     logits = head(norm_f(x))            # tied: embed.attend(x)
@@ -25,9 +25,8 @@ from jaxpar.layers import MLP, Attention, ColumnParallelLinear, VocabParallelEmb
 from jaxpar.layers.context_parallel import zigzag_order
 from jaxpar.layers.embedding import vocab_logits
 from jaxpar.layers.loss import head_cross_entropy
-from jaxpar.layers.pipeline import one_f_one_b, pipeline
+from jaxpar.layers.stack import Stack, one_f_one_b_active
 from jaxpar.layers.precision import DTYPES, compute_dtype
-from jaxpar.layers.remat import remat as rematerialise
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 
@@ -58,64 +57,6 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "res_length", "act_embed"))
 
 
-def stacked(make, n: int, rngs: nnx.Rngs, axis: str = "layers"):
-    """``n`` copies of ``make(rngs)`` with weights stacked on a leading dim named ``axis``
-    (``layers``: the model's stack, split over ``pipe``; ``sublayers``: a stack inside a layer)."""
-
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
-    def create(r):
-        return make(r)
-
-    return create(rngs)
-
-
-def scan_blocks(blocks: nnx.Module, x: jax.Array, *args, remat: str = "none", outputs: bool = False,
-                pipelined: bool = True):
-    """Apply stacked blocks with ``lax.scan`` (compile time flat in depth), each rematerialised with
-    the policy ``remat`` (:mod:`jaxpar.layers.remat`).
-
-    With ``outputs=True`` each block returns ``(x, y)`` and the result is ``(x, ys)``, the ``y`` stacked
-    on a leading layer dim. With ``pipe`` > 1 the stack runs as a pipeline (:mod:`jaxpar.layers.pipeline`):
-    each stage scans its layers with the same per-layer policy. A stack inside a layer (``pipelined=False``,
-    e.g. a MoE group's dense blocks) is a plain scan inside its stage.
-    """
-    graphdef, state = nnx.split(blocks)
-    rules = active_rules()
-    if pipelined and rules is not None and rules.axis_size("pipe") > 1:
-        par = rules.parallel
-        # per-layer outputs come back as means over the microbatches, in storage order
-        return pipeline(lambda group, h: _scan(graphdef, group, h, args, remat, outputs), state, x,
-                        stages=rules.axis_size("pipe"), repeats=par.pipeline_repeats,
-                        microbatches=par.microbatches or rules.axis_size("pipe"), outputs=outputs,
-                        param_axes=leaf_axes(state))
-    return _scan(graphdef, state, x, args, remat, outputs)
-
-
-def leaf_axes(state) -> list[tuple]:
-    """Each leaf's logical names (``jax.tree.leaves`` order), so that pipeline stages keep their weights'
-    splits; leaves of non-Param variables (e.g. sown intermediates) have none."""
-    return [tuple(v.get_metadata().get("out_sharding") or (None,) * leaf.ndim) if isinstance(v, nnx.Param)
-            else (None,) * leaf.ndim
-            for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-            for leaf in jax.tree.leaves(v)]
-
-
-def one_f_one_b_active() -> bool:
-    """Whether the active layout trains its layer stack with the 1F1B pipeline schedule."""
-    rules = active_rules()
-    return rules is not None and rules.axis_size("pipe") > 1 and rules.parallel.pipeline_schedule == "1f1b"
-
-
-def _scan(graphdef, state, x, args, remat: str, outputs: bool):
-    def body(h, layer_state):
-        out = nnx.merge(graphdef, layer_state)(h, *args)
-        return out if outputs else (out, None)
-
-    x, ys = jax.lax.scan(rematerialise(body, remat), x, state)
-    return (x, ys) if outputs else x
-
-
 class GPT(nnx.Module):
     """Decoder-only transformer; ``tensor`` is only used to pad the vocabulary evenly."""
 
@@ -141,11 +82,11 @@ class GPT(nnx.Module):
 
     def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
         """The stacked layers between embedding and head (a subclass may build others, e.g. MoE)."""
-        return stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
+        return Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""
-        return scan_blocks(self.blocks, x, positions, remat=self.cfg.remat)
+        return Stack(self.blocks, remat=self.cfg.remat)(x, positions)
 
     def outer(self) -> dict:
         """The modules around the layer stack: embedding, positions, final norm and head."""
@@ -184,41 +125,23 @@ class GPT(nnx.Module):
 
     def pipelined_loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None,
                        weights: dict | None = None) -> tuple[jax.Array, dict | None]:
-        """The loss under the 1F1B schedule (:func:`~jaxpar.layers.pipeline.one_f_one_b`): forward and
+        """The loss under the 1F1B schedule (:meth:`~jaxpar.layers.stack.Stack.loss`): forward and
         backward of the microbatches interleaved, the embedding on the first stage and the head on the
         last. With ``weights`` (a dict over the per-layer outputs of :meth:`make_blocks`' layers, e.g.
         MoE router losses) the loss adds ``sum weight x sum over layers``; returns ``(loss, outputs)``,
         the per-layer outputs averaged over microbatches (None without ``weights``)."""
-        rules = active_rules()
-        assert rules is not None
-        cfg, dtype, outputs = self.cfg, self.dtype, weights is not None
-        graphdef, state = nnx.split(self.blocks)
+        cfg, dtype = self.cfg, self.dtype
         outer_def, outer = nnx.split(self.outer())
-        args = (positions,)
-        s_, m_ = rules.axis_size("pipe"), rules.parallel.microbatches or rules.axis_size("pipe")
-
-        def stage_fn(group, h):
-            return _scan(graphdef, group, h, args, cfg.remat, outputs)
 
         def first_fn(o, tok):
             return embed_tokens(nnx.merge(outer_def, o), cfg, dtype, tok, positions)
 
         def last_fn(o, h, tgt):
-            outer = nnx.merge(outer_def, o)
-            return head_loss(outer, cfg, dtype, outer["norm_f"](h), tgt)
+            mods = nnx.merge(outer_def, o)
+            return head_loss(mods, cfg, dtype, mods["norm_f"](h), tgt)
 
-        def primal(p, o, tok, tgt):  # the GPipe forward: what the loss is without differentiation
-            x = pipeline(stage_fn, p, first_fn(o, tok), stages=s_, repeats=1, microbatches=m_, outputs=outputs,
-                         param_axes=leaf_axes(state))
-            x, ys = x if outputs else (x, None)
-            loss = last_fn(o, x, tgt)
-            if outputs:
-                assert weights is not None and ys is not None
-                loss = loss + sum(w * jnp.sum(ys[k]) for k, w in weights.items())
-            return loss, ys
-
-        return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
-                           param_axes=leaf_axes(state), primal=primal, ys_weights=weights)
+        return Stack(self.blocks, remat=cfg.remat, outputs=weights is not None).loss(
+            first_fn, last_fn, outer, tokens, targets, positions, weights=weights)
 
 
 def ordered(tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:

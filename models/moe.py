@@ -35,7 +35,8 @@ from flax import nnx
 from jaxpar.config import MoEConfig, ModelConfig
 from jaxpar.layers import MoE, balance_bias
 from jaxpar.partitioning import constrain
-from jaxpar.models.gpt import DTYPES, GPT, Block, one_f_one_b_active, ordered, scan_blocks, stacked
+from jaxpar.layers.stack import Stack, one_f_one_b_active
+from jaxpar.models.gpt import DTYPES, GPT, Block, ordered
 
 
 class MoEBlock(Block):
@@ -64,13 +65,13 @@ class MoEGroup(nnx.Module):
     """``every - 1`` dense blocks (stacked, scanned) followed by one MoE block."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.dense = (stacked(lambda r: Block(cfg, dtype=dtype, rngs=r), moe.every - 1, rngs, axis="sublayers")
+        self.dense = (Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r), moe.every - 1, rngs, axis="sublayers")
                       if moe.every > 1 else None)
         self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
         if self.dense is not None:
-            x = scan_blocks(self.dense, x, positions, pipelined=False)
+            x = Stack(self.dense, pipelined=False)(x, positions)
         return self.moe(x, positions)
 
 
@@ -85,10 +86,10 @@ class MoETransformer(GPT):
 
     def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
         groups = cfg.n_layers // self.moe_cfg.every
-        return stacked(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r), groups, rngs)
+        return Stack.create(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r), groups, rngs)
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-        x, stats = scan_blocks(self.blocks, x, positions, remat=self.cfg.remat, outputs=True)
+        x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True)(x, positions)
         # GPT's hidden() returns only the residual stream: the router statistics ([groups] / [groups, E]) leave
         # through Flax's intermediates, collected by nnx.capture in loss / __call__.
         self.sow(nnx.Intermediate, "moe_stats", stats)

@@ -13,10 +13,11 @@ from jaxpar.layers.linear import ColumnParallelLinear, ParallelLinear, RowParall
 from jaxpar.layers.mlp import MLP
 from jaxpar.layers.moe import MoE, Routing, balance_bias, expert_capacity, route
 from jaxpar.layers.norm import LayerNorm, RMSNorm, make_norm
+from jaxpar.layers.stack import Stack
 
 __all__ = [
     "Attention", "attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init", "padded_vocab",
     "vocab_logits", "vocab_parallel_cross_entropy", "head_cross_entropy", "ColumnParallelLinear", "ParallelLinear",
     "RowParallelLinear", "MLP", "LayerNorm", "RMSNorm", "make_norm", "MoE", "Routing", "balance_bias",
-    "expert_capacity", "route",
+    "expert_capacity", "route", "Stack",
 ]

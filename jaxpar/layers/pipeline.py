@@ -1,4 +1,4 @@
-"""Pipeline parallelism over the ``pipe`` axis: a microbatched ``lax.scan`` of stages.
+"""Pipeline parallelism over the ``pipe`` axis: microbatched loops of stages (GPipe, circular, 1F1B).
 
 The stacked layers are cut into S = ``pipe`` stages; the stage dim of their weights is sharded
 over ``pipe`` so that each device holds only its stage. The batch is cut into M microbatches.
@@ -11,16 +11,21 @@ first s and last S-1-s of them, so the bubble fraction is (S-1)/(M+S-1).
 Circular / interleaved (R = ``pipeline_repeats`` > 1): the L layers form S*R groups; group g sits on
 stage g mod S, so every device holds R non-adjacent groups and each microbatch passes the ring of
 stages R times. Microbatch m in repeat r is on stage s at iteration t = r*M + m + s; when it leaves
-the last stage it waits in a buffer until stage 0 takes it back at t = (r+1)*M + m (needs M >= S).
+the last stage the ring shift takes it to stage 0, which holds it until t = (r+1)*M + m (needs M >= S).
 M*R + S - 1 iterations, bubble (S-1)/(M*R+S-1). Storage is stage-major: position p of the stacked
 layer dim holds layer :func:`stage_major_order` [p], so that each device's groups are contiguous.
 
-Bubble iterations compute on zeros (their results are never used): the compiled flops of the
-pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
+The last stage files its outputs in its own slots of a per-stage buffer (a local write), moved to
+every stage once after the loop; every stage holds a copy of the input microbatches, so that the
+input's gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per
+iteration. Bubble iterations compute on zeros (their results are never used): the compiled flops of
+the pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
 gradient; what each layer keeps for it is the stage function's business (the model applies its
-``model.remat`` policy per layer inside the stage, as it does without a pipeline).
+``model.remat`` policy per layer inside the stage, as it does without a pipeline). The embedding,
+final norm and head run outside the stages (replicated over ``pipe``).
 
-The embedding, final norm and head run outside the stages (replicated over ``pipe``).
+1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the embedding and the loss inside the
+schedule, the stage inputs of at most 2S - 1 microbatches held per stage.
 """
 
 from __future__ import annotations
@@ -156,9 +161,10 @@ def _put(buf: jax.Array, value: jax.Array, slot, ok) -> jax.Array:
 
 def _stage_split(a: jax.Array) -> jax.Array:
     """Pin the leading (stage) dim of a per-stage buffer to ``pipe``; the other dims are the compiler's."""
-    rules = _rules()
+    mesh = _rules().mesh
+    assert mesh is not None  # _rules() checked it
     spec = jax.sharding.PartitionSpec("pipe", *[jax.sharding.PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
-    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(rules.mesh, spec))
+    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
 
 
 def stash_slots(stages: int) -> int:
@@ -178,28 +184,32 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     ``first_fn`` / ``last_fn`` (shared: a tied embedding is one weight).
 
     Returns ``(loss, ys)``: the mean over microbatches of ``last_fn`` plus, with ``ys_weights`` (a dict
-    name -> weight over the stage's per-layer outputs ``ys``, a dict of float arrays; missing names weigh
-    0), ``sum_name weight * sum_layers ys[name]`` (e.g. a router's balance loss); ``ys`` are the per-layer outputs averaged over microbatches, for metrics
-    only (no gradient flows back through them). Without differentiation ``primal(params, outer, tokens,
-    targets)`` computes the same two values (the GPipe forward); under ``jax.grad`` the forward and the
-    backward run interleaved in one ``lax.scan`` (a ``custom_vjp`` whose forward returns the gradients).
+    name -> weight over the stage's per-layer outputs ``ys``, a dict of float arrays; missing names
+    weigh 0), ``sum_name weight * sum_layers ys[name]`` (e.g. a router's balance loss); ``ys`` are the
+    per-layer outputs averaged over microbatches, for metrics only (no gradient flows back through
+    them). Without differentiation ``primal(params, outer, tokens, targets)`` computes the same two
+    values (the GPipe forward); under ``jax.grad`` the forwards and backwards run interleaved (a
+    ``custom_vjp`` whose forward computes the gradients, which its backward scales).
 
-    Schedule: on iteration t stage s runs the forward of microbatch t - s and the backward of microbatch
-    t - 2(S-1) + s (each where it exists), 2(S-1) + M iterations. The last stage runs the loss and its
-    gradient as soon as its forward is done, so backwards start after S - 1 iterations and every stage
-    keeps the inputs of at most 2S - 1 microbatches (:func:`stash_slots`): activation memory O(S), not
-    O(M) as GPipe's. A stage's backward runs its forward again from the stashed input (``jax.vjp``, so
-    the layers' remat policy decides what that one microbatch keeps while its backward runs): the
-    stage is rematerialised as a whole, as ``model.remat=full`` would. (Stashing the ``jax.vjp``
-    residuals instead would keep less compute but copy the stage's weights into every slot: the
-    linearisation of a scan over layers re-emits its stacked weights as residuals.) Activations move
-    forward and their gradients backward by one ``ppermute`` each per iteration; nothing else crosses
-    ``pipe`` until the end (one sum of the per-stage gradient accumulators of ``outer``). The backward half does not run
-    in the first S - 1 iterations nor the forward half in the last S - 1 (a ``lax.cond`` on t), so the
-    schedule costs (M + S - 1) x (forward + backward): GPipe's bubble. The embedding and the loss run
-    under the stage ``vmap``, so each stage computes them (its result is used on stage 0 resp. S-1
-    only): cheap next to the stage for the embedding, (S-1) extra head matmuls per microbatch for the
-    loss, traded against a broadcast of the last stage's output over ``pipe`` every iteration.
+    Schedule (:func:`schedule_1f1b`): on iteration t stage s runs the forward of microbatch t - s and the
+    backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in two loops:
+    S - 1 warm-up iterations of forwards only, then one forward and one backward per iteration (the
+    forward skipped by a ``lax.cond`` on t in the last S - 1). The last stage runs the loss of a
+    microbatch and its gradient as soon as its forward is done, so a stage keeps the inputs of at most
+    2S - 1 microbatches (:func:`stash_slots`): activation memory O(S), not O(M) as GPipe's. A stage's
+    backward runs its forward again from the stashed input (``jax.vjp``, so the layers' remat policy
+    decides what that one microbatch keeps while its backward runs): the stage is rematerialised as a
+    whole, as ``model.remat=full`` would. (Stashing the ``jax.vjp`` residuals instead would save that
+    forward but copy the stage's weights into every slot: the linearisation of a scan over layers
+    re-emits its stacked weights as residuals.)
+
+    Communication over ``pipe``: one ``ppermute`` of the activations forward and one of the gradients
+    backward per iteration; once per step the first stage's input gradients go to every stage (the
+    embedding's weight gradient is computed once, after the loops, on every stage) and the per-stage
+    accumulators of the head's gradients are summed. The embedding and the loss run under the stage
+    ``vmap``, so each stage computes them and only stage 0's resp. S-1's result is used: cheap next to
+    a stage for the embedding, an extra head matmul per microbatch on the other stages for the loss,
+    traded against broadcasting the last stage's output over ``pipe`` every iteration.
     """
     s_, m_ = stages, microbatches
     k_ = stash_slots(s_)
@@ -240,7 +250,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             stash=constrain(jnp.zeros((s_, k_, *x0.shape), x0.dtype), per_mb),
             # the first stage's input gradients, for the embedding's weight gradient after the loop
             dins=constrain(jnp.zeros((s_, m_, *x0.shape), x0.dtype), per_mb),
-            dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:])) for g, ax in zip(groups, param_axes)],
+            dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:]))
+                     for g, ax in zip(groups, param_axes)],
             douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in outer_leaves],
             loss=jnp.zeros((s_,), jnp.float32),
             ys=(jax.tree.map(lambda y: jnp.zeros(y.shape, jnp.float32), out_shape[1]) if has_ys else None),

@@ -1,0 +1,143 @@
+"""``Stack``: a stack of identical layers, and everything about running it.
+
+A model builds its repeated layers once with :meth:`Stack.create` (weights stacked on a leading dim
+named ``layers``, which the partitioning rules split over ``pipe``) and applies them with
+``Stack(layers, remat=...)(x, *args)``. The stack decides how: a ``lax.scan`` over the layers (compile
+time flat in depth), each layer rematerialised with the ``model.remat`` policy
+(:mod:`jaxpar.layers.remat`), or, when the active layout has ``pipe > 1``, the pipeline
+(:mod:`jaxpar.layers.pipeline`: GPipe or circular), each stage scanning its layers with the same
+policy. :meth:`Stack.loss` runs the whole model under the 1F1B schedule (the stack between an
+embedding and a loss, see :func:`~jaxpar.layers.pipeline.one_f_one_b`). :func:`storage_order` is the
+physical order of the stacked layers (stage-major under a circular pipeline), which the trainer
+applies to parameters and undoes for checkpoints. The model knows none of this::
+
+    class MyModel(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = Stack.create(lambda r: MyBlock(r), 12, rngs)
+        def __call__(self, x):
+            return Stack(self.blocks, remat="save_dots")(x)
+
+A stack inside a layer (e.g. a MoE group's dense blocks) is created with ``axis="sublayers"`` and
+applied with ``pipelined=False``: a plain scan inside its stage.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpar.layers.pipeline import one_f_one_b, pipeline, stage_major_order
+from jaxpar.layers.remat import remat as rematerialise
+from jaxpar.partitioning import active_rules
+
+
+def storage_order(n: int, stages: int, repeats: int) -> np.ndarray:
+    """``order[p]``: the layer a stack of ``n`` stores at position p: stage-major under a circular
+    pipeline (``stages`` > 1 and ``repeats`` > 1, :func:`~jaxpar.layers.pipeline.stage_major_order`),
+    so that each device's layer groups are contiguous; else ``0..n-1``."""
+    if stages == 1 or repeats == 1:
+        return np.arange(n)
+    return np.asarray(stage_major_order(n, stages, repeats))
+
+
+def one_f_one_b_active() -> bool:
+    """Whether the active layout trains its layer stack with the 1F1B pipeline schedule."""
+    rules = active_rules()
+    return (rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
+            and rules.parallel.pipeline_schedule == "1f1b")
+
+
+def leaf_axes(state) -> list[tuple]:
+    """Each leaf's logical names (``jax.tree.leaves`` order), so that pipeline stages keep their weights'
+    splits; leaves of non-Param variables (e.g. sown intermediates) have none."""
+    return [tuple(v.get_metadata().get("out_sharding") or (None,) * leaf.ndim) if isinstance(v, nnx.Param)
+            else (None,) * leaf.ndim
+            for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            for leaf in jax.tree.leaves(v)]
+
+
+class Stack:
+    """Run ``layers`` (built by :meth:`create`) on ``x``: ``Stack(layers, remat=...)(x, *args)``.
+
+    Each layer is called as ``layer(h, *args)`` and returns ``h``, or ``(h, y)`` with ``outputs=True``
+    (per-layer outputs, e.g. router statistics: the result is then ``(h, ys)`` with ``ys`` stacked on
+    a leading layer dim in storage order; through a pipeline, each the mean over the microbatches).
+    """
+
+    def __init__(self, layers: nnx.Module, *, remat: str = "none", outputs: bool = False, pipelined: bool = True):
+        self.layers, self.remat, self.outputs, self.pipelined = layers, remat, outputs, pipelined
+
+    @staticmethod
+    def create(make, n: int, rngs: nnx.Rngs, axis: str = "layers") -> nnx.Module:
+        """``n`` copies of ``make(rngs)`` with weights stacked on a leading dim named ``axis``
+        (``layers``: the model's stack, split over ``pipe``; ``sublayers``: a stack inside a layer)."""
+
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+        def build(r):
+            return make(r)
+
+        return build(rngs)
+
+    def _stages(self) -> tuple[int, int, int] | None:
+        """(stages, repeats, microbatches) of the active layout's pipeline, None without one."""
+        rules = active_rules()
+        if not self.pipelined or rules is None or rules.parallel is None or rules.axis_size("pipe") == 1:
+            return None
+        s_ = rules.axis_size("pipe")
+        return s_, rules.parallel.pipeline_repeats, rules.parallel.microbatches or s_
+
+    def _stage_fn(self, graphdef, args):
+        """``(group_state, h) -> h`` (or ``(h, ys)``): a scan of the layers in ``group_state``."""
+        def body(h, layer_state):
+            out = nnx.merge(graphdef, layer_state)(h, *args)
+            return out if self.outputs else (out, None)
+
+        def run(group, h):
+            h, ys = jax.lax.scan(rematerialise(body, self.remat), h, group)
+            return (h, ys) if self.outputs else h
+
+        return run
+
+    def __call__(self, x: jax.Array, *args):
+        graphdef, state = nnx.split(self.layers)
+        stage_fn = self._stage_fn(graphdef, args)
+        pipe = self._stages()
+        if pipe is None:
+            return stage_fn(state, x)
+        s_, r_, m_ = pipe
+        return pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs,
+                        param_axes=leaf_axes(state))
+
+    def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
+             weights: dict | None = None) -> tuple[jax.Array, dict | None]:
+        """The model's loss with the stack in between, under the 1F1B schedule (needs ``pipe > 1``):
+        ``first_fn(outer, tokens) -> x`` (the embedding), the stack (``*args`` passed to each layer),
+        ``last_fn(outer, h, targets) -> mean loss`` (final norm, head, loss); ``outer`` the weights of
+        both (a pytree, e.g. ``nnx.split`` state). With ``weights`` (a dict over the layers' outputs,
+        which then need ``outputs=True``) the loss adds ``sum weight x sum over layers``. Returns
+        ``(loss, outputs)``: the per-layer outputs averaged over microbatches (for metrics; None
+        without ``weights``). See :func:`~jaxpar.layers.pipeline.one_f_one_b`."""
+        pipe = self._stages()
+        if pipe is None or pipe[1] != 1:
+            raise ValueError("Stack.loss is the 1F1B schedule: it needs parallel.pipe > 1 and pipeline_repeats=1")
+        s_, _, m_ = pipe
+        graphdef, state = nnx.split(self.layers)
+        stage_fn = self._stage_fn(graphdef, args)
+        axes = leaf_axes(state)
+
+        def primal(p, o, tok, tgt):  # the GPipe forward: what the loss is without differentiation
+            h = pipeline(stage_fn, p, first_fn(o, tok), stages=s_, repeats=1, microbatches=m_, outputs=self.outputs,
+                         param_axes=axes)
+            h, ys = h if self.outputs else (h, None)
+            loss = last_fn(o, h, tgt)
+            if weights:
+                loss = loss + sum(w * jnp.sum(ys[k]) for k, w in weights.items())
+            return loss, ys
+
+        if self.outputs and weights is None:
+            weights = {}
+        return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
+                           param_axes=axes, primal=primal, ys_weights=weights)
