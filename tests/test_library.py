@@ -20,7 +20,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.config import ConfigError
-from jaxpar.layers import MLP, ColumnParallelLinear, RMSNorm, RowParallelLinear
+from jaxpar.layers import MLP, ColumnParallelLinear, RMSNorm, RowParallelLinear, Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,6 +145,43 @@ def test_layout_trains_a_users_model_like_one_device_and_keeps_its_placement():
     assert model.up.kernel[...].sharding.spec == layout.rules.params.spec(("embed", "mlp"))
     mu = opt.opt_state[0].mu["up"]["kernel"][...]  # ZeRO-1: the optimizer state also splits over data
     assert mu.sharding.spec == layout.rules.opt.spec(("embed", "mlp")) != model.up.kernel[...].sharding.spec
+
+
+class Tower(nnx.Module):
+    """A user's model with its own repeated block in a jaxpar Stack: pipelined when the layout has pipe > 1."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = RMSNorm(32)
+            self.mlp = MLP(32, 64, kind="swiglu", use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.mlp(self.norm(x))
+
+    def __init__(self, rngs):
+        self.blocks = Stack.create(lambda r: Tower.Block(r), 4, rngs)
+        self.head = nnx.Linear(32, 8, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(Stack(self.blocks, remat="save_dots")(x))
+
+
+def test_a_users_stack_pipelines_like_one_device():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(8, 6, 32)).astype(np.float32), rng.normal(size=(8, 6, 8)).astype(np.float32)
+
+    def run(layout):
+        model = layout.shard(Tower(nnx.Rngs(0)), names={"head/kernel": ("embed", None)})
+        opt = layout.optimizer(model, optax.adam(1e-2))
+        step = layout.train_step(_mixed_loss)
+        return [float(step(model, opt, *layout.batch(x, y))) for _ in range(3)], model
+
+    ref, _ = run(jaxpar.Layout(data=1))
+    layout = jaxpar.Layout(pipe=2, data=2, microbatches=4)
+    got, model = run(layout)
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    w = model.blocks.mlp.down.kernel[...]  # [layers, mlp, embed]: each pipe device holds its 2 layers
+    assert w.addressable_shards[0].data.shape[0] == 2
 
 
 def test_layout_errors_name_the_problem():

@@ -14,7 +14,8 @@ def no_remat():
     return loss_grads(config("llama", parallel__data=2))
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "offload"])
+# (save_dots_except_mlp and save_qkv_proj keep subsets of save_dots' names: their memory order is tested below)
+@pytest.mark.parametrize("remat", ["full", "save_dots", "offload"])
 def test_remat_same_loss_and_grads(no_remat, remat):
     got = loss_grads(config("llama", parallel__data=2, model__remat=remat))
     assert rel_err(got[0], no_remat[0]) <= 1e-6

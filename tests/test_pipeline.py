@@ -41,8 +41,8 @@ CASES = [
     ("llama_gqa", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2)),
     ("gpt2", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=4, parallel__data=2)),
-    ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__megatron_sp=True)),
-    ("llama_gqa", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, train__grad_accum=2)),
+    # (seq x tensor with Megatron-SP, and ZeRO-1 with gradient accumulation: under 1F1B below; the schedules
+    # share the stage function and the optimizer step)
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4)),
     # MoE groups of [dense, MoE]: the group's inner stack is a plain scan inside its stage
     ("moe_every2", dict(parallel__pipe=2, parallel__data=2)),
@@ -94,12 +94,13 @@ def test_pipe_traffic_is_point_to_point(sched):
     cfg = config("llama", **L4)
     per_row = cfg.model.seq_len * cfg.model.d_model * 4
     reduces = {}
-    for m in (2, 16):
-        c = _report(parallel__pipe=2, parallel__data=2, parallel__tensor=2, parallel__microbatches=m,
-                    train__batch_size=2 * m * 2, **sched)["collectives"]  # 2 rows per microbatch and data shard
+    r = sched.get("parallel__pipeline_repeats", 1)
+    for m in ((2, 16) if sched.get("parallel__pipeline_schedule") else (2, 4)):
+        c = trainer(config("llama", model__n_layers=2 * r, parallel__pipe=2, parallel__data=2, parallel__tensor=2,
+                           parallel__microbatches=m, train__batch_size=2 * m * 2, **sched)  # 2 rows per microbatch
+                    ).compile()["collectives"]                                                   # and data shard
         assert c["all-gather"]["count"] == 0, c["all-gather"]
         cp, act = c["collective-permute"]["by_axes"]["pipe"], 2 * per_row
-        r = sched.get("parallel__pipeline_repeats", 1)
         if "parallel__pipeline_schedule" in sched:
             assert cp["count"] == 2 * m + 3 * 2 - 3 and cp["bytes"] == cp["count"] * act
             if m == 16:
@@ -108,7 +109,7 @@ def test_pipe_traffic_is_point_to_point(sched):
             iters = m * r + 2 - 1
             assert cp["count"] == 2 * iters + 2 and cp["bytes"] == 2 * iters * act + 2 * m * act
         reduces[m] = c["all-reduce"]["by_axes"]["pipe"]["count"]
-    assert reduces[2] == reduces[16] <= 3, reduces
+    assert len(set(reduces.values())) == 1 and max(reduces.values()) <= 3, reduces
 
 
 def test_stage_weights_are_split_over_pipe():
@@ -174,13 +175,13 @@ def test_1f1b_schedule():
 
 
 def test_1f1b_memory_stays_flat_in_microbatches():
-    """Per-device temporaries of the compiled step at a fixed microbatch size: 1F1B at M = 8S within
+    """Per-device temporaries of the compiled step at a fixed microbatch size (2 layers, pipe=2): 1F1B at M = 8S within
     1.3x of M = S (its stages hold at most 2S - 1 microbatches); GPipe's grow with M (all of them)."""
     temp = {}
     for sched in ("gpipe", "1f1b"):
         for m in (2, 16):
-            t = trainer(config("llama", **L4, parallel__pipe=2, parallel__microbatches=m, parallel__pipeline_schedule=sched,
-                               train__batch_size=4 * m), 2)
+            t = trainer(config("llama", model__n_layers=2, parallel__pipe=2, parallel__microbatches=m,
+                               parallel__pipeline_schedule=sched, train__batch_size=4 * m), 2)
             temp[sched, m] = t.compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 2], temp
