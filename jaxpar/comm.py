@@ -187,8 +187,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
-        if f1b and not leaf.stage:  # each stage's gradient of the embedding / head, summed over the stages
-            add("all-reduce", ("pipe",), k, local, "1F1B outer-weight gradients summed over stages")
+        head = leaf.names in (("norm",), ("embed", "vocab")) or (tied and leaf.names == ("vocab", "embed"))
+        if f1b and head:  # each stage's gradient of the head's weights, summed over the stages
+            add("all-reduce", ("pipe",), k, local, "1F1B head gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
         if zero3:  # ZeRO-3: gathered before each use, in every gradient-accumulation microstep
             regather = leaf.stage and remat != "none"  # the layer's recompute gathers its weights again

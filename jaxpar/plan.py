@@ -178,7 +178,8 @@ class Planner:
         mem["grads"] = sum(math.prod(x.shape) * pb / comm._shards(x.opt if par.zero >= 3 else x.compute, sizes)
                            for x in leaves)
         mem["activations"], mem["logits"] = self._activations(cfg, sizes, ab)
-        mem["update"] = sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
+        # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
+        mem["update"] = 0.5 * sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
         mem["total"] = sum(mem.values())
         terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
         for term in terms:  # wire bytes by mesh-axis group, whatever the collective

@@ -306,20 +306,29 @@ class Trainer:
             loss, grads = loss * poison, jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
         grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
         grad_norm = optax.tree.norm(grads)
-        updates, opt = self.tx.update(grads, state["opt"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        after = getattr(self.adapter.abstract_model, "after_update", None)
-        if after is not None:  # a model's update of non-gradient parameters (class docstring)
-            params, aux = after(params, aux)
         # A non-finite loss or gradient (an inf/NaN in any leaf makes the norm non-finite) skips the
-        # update: parameters and optimizer state (its step counts included) stay bit-identical.
+        # update: parameters and optimizer state (its step counts included) stay bit-identical. The
+        # update runs inside a cond, so that it writes the (donated) state in place: a select between
+        # the new and the old state would hold a second copy of all of it.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+
+        def update(params, opt, aux):
+            updates, opt = self.tx.update(grads, opt, params)
+            params = optax.apply_updates(params, updates)
+            after = getattr(self.adapter.abstract_model, "after_update", None)
+            if after is not None:  # a model's update of non-gradient parameters (class docstring)
+                params, aux = after(params, aux)
+            return params, opt, aux
+
+        def skip(params, opt, aux):  # the same metrics (a hook may change their keys), the state unchanged
+            after = getattr(self.adapter.abstract_model, "after_update", None)
+            return params, opt, (after(params, aux)[1] if after is not None else aux)
+
+        params, opt, aux = jax.lax.cond(finite, update, skip, state["params"], state["opt"], aux)
         skipped = state["skipped"] + (~finite).astype(jnp.int32)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"] - state["skipped"]),
                    "nonfinite": (~finite).astype(jnp.int32), "skipped_steps": skipped, **aux}
-        new = {"step": state["step"] + 1, "params": keep(params, state["params"]), "opt": keep(opt, state["opt"]),
-               "skipped": skipped}
+        new = {"step": state["step"] + 1, "params": params, "opt": opt, "skipped": skipped}
         return new, metrics
 
     def lower(self):

@@ -173,6 +173,15 @@ def stash_slots(stages: int) -> int:
     return 2 * stages - 1
 
 
+def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
+    """Indices of the ``leaves`` that ``fn(tree, *args)`` reads (from its jaxpr), so that gradients
+    and accumulators are kept for those only (an untied head does not touch the embedding table)."""
+    jaxpr = jax.make_jaxpr(lambda *o: fn(jax.tree.unflatten(treedef, list(o)), *args))(*leaves).jaxpr
+    read = {id(v) for e in jaxpr.eqns for v in e.invars if not hasattr(v, "val")}
+    read |= {id(v) for v in jaxpr.outvars if not hasattr(v, "val")}
+    return [i for i, v in enumerate(jaxpr.invars) if id(v) in read]
+
+
 def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
                 stages: int, microbatches: int, param_axes: list[tuple], primal, ys_weights=None):
     """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
@@ -240,6 +249,17 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         toks, tgts = split_mb(tokens), split_mb(targets)
         groups = staged(p_leaves)
         x0 = jax.eval_shape(first_fn, outer_, toks[0])
+        first_used = _used_leaves(first_fn, outer_leaves, outer_def, toks[0])
+        last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), tgts[0])
+
+        def pick(used):
+            return [outer_leaves[i] for i in used]
+
+        def with_leaves(used, sub):  # the outer tree with the leaves at `used` replaced by `sub`
+            full = list(outer_leaves)
+            for i, a in zip(used, sub):
+                full[i] = a
+            return jax.tree.unflatten(outer_def, full)
         out_shape = jax.eval_shape(jax.vmap(stage), groups, jnp.zeros((s_, *x0.shape), x0.dtype))
         has_ys = ys_weights is not None
         act = ("stages", "batch", "res_length", "act_embed")
@@ -252,7 +272,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             dins=constrain(jnp.zeros((s_, m_, *x0.shape), x0.dtype), per_mb),
             dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:]))
                      for g, ax in zip(groups, param_axes)],
-            douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in outer_leaves],
+            douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in pick(last_used)],
             loss=jnp.zeros((s_,), jnp.float32),
             ys=(jax.tree.map(lambda y: jnp.zeros(y.shape, jnp.float32), out_shape[1]) if has_ys else None),
         )
@@ -285,7 +305,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                 b_ok = (bm >= 0) & (bm < m_)
                 bmm = jnp.clip(bm, 0, m_ - 1)
                 if do_f:  # the last stage: loss and gradients of the microbatch it just finished
-                    loss, loss_vjp = jax.vjp(lambda o, h: last_fn(o, h, tgts[bmm]), outer_leaves, y)
+                    loss, loss_vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
+                                             pick(last_used), y)
                     d_last, dy = loss_vjp(jnp.ones((), loss.dtype) / m_)
                     last_ok = (s == s_ - 1) & b_ok
                     c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
@@ -339,15 +360,18 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         # the embedding's weight gradient, once over the whole batch; the head's, summed over the stages
         loss = jnp.sum(c["loss"])
         d_last = [jnp.sum(a, axis=0) for a in c["douter"]]
-        _, first_vjp = jax.vjp(lambda o: first_fn(jax.tree.unflatten(outer_def, o), tokens), outer_leaves)
+        _, first_vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), tokens), pick(first_used))
         (d_first,) = first_vjp(batch_of(c["dins"][0]))
+        grads_outer = [jnp.zeros_like(a) for a in outer_leaves]
+        for used, part in ((last_used, d_last), (first_used, d_first)):
+            for i, g in zip(used, part):
+                grads_outer[i] = grads_outer[i] + g.astype(grads_outer[i].dtype)
         ys = None
         if has_ys:  # [S, layers per stage, ...] -> [L, ...]
             ys = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["ys"])
             loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
         dparams = [d.astype(dt) for d, dt in zip(unstaged(c["dgroups"]), dtypes)]
-        douter = [(a + f).astype(o.dtype) for a, f, o in zip(d_last, d_first, outer_leaves)]
-        return (loss, ys), (dparams, douter)
+        return (loss, ys), (dparams, grads_outer)
 
     @jax.custom_vjp
     def f(p_leaves, outer_leaves, tokens, targets):
