@@ -86,8 +86,8 @@ def _report(**layout):
 def test_pipe_traffic_is_point_to_point(sched):
     """What crosses ``pipe`` per step, counted in the compiled program at M = S and M = 8S (S = 2):
     each iteration shifts one microbatch's activations (and its gradient back) by a collective-permute;
-    the all-reduces over pipe are a fixed few per step (outputs to every stage, input / outer-weight
-    gradients summed over stages), none per iteration; the stage weights never move (no all-gather at
+    the all-reduces over pipe are a fixed few per step (outputs to every stage, input / head gradients
+    summed over stages, the gradient norm's and the loss's scalars), none per iteration; the stage weights never move (no all-gather at
     all, also of the tensor-split weights and of a circular pipeline's layer groups). 1F1B at M = 8S
     moves within 1.1x of the minimum, each microbatch's boundary activation once forward and its
     gradient once backward."""
@@ -109,7 +109,7 @@ def test_pipe_traffic_is_point_to_point(sched):
             iters = m * r + 2 - 1
             assert cp["count"] == 2 * iters + 2 and cp["bytes"] == 2 * iters * act + 2 * m * act
         reduces[m] = c["all-reduce"]["by_axes"]["pipe"]["count"]
-    assert len(set(reduces.values())) == 1 and max(reduces.values()) <= 3, reduces
+    assert len(set(reduces.values())) == 1 and max(reduces.values()) <= 6, reduces
 
 
 def test_stage_weights_are_split_over_pipe():

@@ -25,7 +25,8 @@ gradient; what each layer keeps for it is the stage function's business (the mod
 final norm and head run outside the stages (replicated over ``pipe``).
 
 1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the embedding and the loss inside the
-schedule, the stage inputs of at most 2S - 1 microbatches held per stage.
+schedule, the stage inputs of at most 2S - 1 microbatches held per stage. Long by design: the three
+schedules share their shifts, buffers and schedule grids here.
 """
 
 from __future__ import annotations
