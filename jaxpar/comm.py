@@ -157,16 +157,16 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     tied = m.tie_embeddings
     for leaf in leaves:
         local = math.prod(leaf.shape) * param_bytes / _shards(leaf.compute, sizes)
+        tied_table = tied and leaf.names == ("vocab", "embed")
+        head = leaf.names in (("norm",), ("embed", "vocab")) or tied_table  # the final norm and the head
         leaf_axes = _spec_axes(leaf.compute)
         red = tuple(a for a in big(TOKEN_AXES) if a not in leaf_axes)
         scatter = tuple(a for a in red if a in _spec_axes(leaf.opt))
         loops, local_iter = 1, local
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
             loops = k * (iters if leaf.stage and pipelined else 1)
-            if f1b and (leaf.stage or leaf.names in (("norm",), ("embed", "vocab"))):
-                loops = k * (mb_ + s_ - 1)  # accumulated in 1F1B's steady loop: the stages, the untied head
-            elif f1b and tied and leaf.names == ("vocab", "embed"):
-                loops = k * (mb_ + s_)  # a tied table: as the head in the loop, and once for the lookup after it
+            if f1b and (leaf.stage or head):  # accumulated in 1F1B's steady loop (a tied table: once more,
+                loops = k * (mb_ + s_ - 1 + tied_table)  # for the lookup after it)
 
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
@@ -176,7 +176,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         joint = {"vocab", "experts", "router"} & set(leaf.names)
         split = platform == "cpu" and "seq" in red and len(red) > 1 and not joint
         groups = [(("seq",), ), (tuple(a for a in red if a != "seq"),)] if split else [(red,)]
-        copies = 2 if (platform == "cpu" and tied and leaf.names == ("vocab", "embed") and not f1b) else 1
+        copies = 2 if (platform == "cpu" and tied_table and not f1b) else 1
         for (axes,) in groups:
             sc = tuple(a for a in axes if a in scatter)
             if sc and platform != "cpu":
@@ -187,7 +187,6 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
-        head = leaf.names in (("norm",), ("embed", "vocab")) or (tied and leaf.names == ("vocab", "embed"))
         if f1b and head:  # each stage's gradient of the head's weights, summed over the stages
             add("all-reduce", ("pipe",), k, local, "1F1B head gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)

@@ -311,17 +311,17 @@ class Trainer:
         # update runs inside a cond, so that it writes the (donated) state in place: a select between
         # the new and the old state would hold a second copy of all of it.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # a model's update of non-gradient parameters (class docstring)
+        after = getattr(self.adapter.abstract_model, "after_update", None)
 
         def update(params, opt, aux):
             updates, opt = self.tx.update(grads, opt, params)
             params = optax.apply_updates(params, updates)
-            after = getattr(self.adapter.abstract_model, "after_update", None)
-            if after is not None:  # a model's update of non-gradient parameters (class docstring)
+            if after is not None:
                 params, aux = after(params, aux)
             return params, opt, aux
 
         def skip(params, opt, aux):  # the same metrics (a hook may change their keys), the state unchanged
-            after = getattr(self.adapter.abstract_model, "after_update", None)
             return params, opt, (after(params, aux)[1] if after is not None else aux)
 
         params, opt, aux = jax.lax.cond(finite, update, skip, state["params"], state["opt"], aux)

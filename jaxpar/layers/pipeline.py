@@ -169,7 +169,7 @@ def _stage_split(a: jax.Array) -> jax.Array:
 
 
 def stash_slots(stages: int) -> int:
-    """Microbatches whose stage residuals a 1F1B stage holds at once: stage s keeps microbatch m from
+    """Microbatches whose stage inputs a 1F1B stage holds at once: stage s keeps microbatch m from
     its forward (iteration m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0)."""
     return 2 * stages - 1
 
@@ -329,9 +329,6 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
             """Iterations ``first .. last - 1``; each shifts what it computed to the next stage."""
-            if last <= first:
-                return c
-
             def iteration(c, t):
                 c, y, dx = jax.vmap(tick, in_axes=(None, 0, 0, 0, None, None), spmd_axis_name="pipe")(
                     t, groups, stage_ids, c, do_f, do_b)
@@ -379,16 +376,12 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         return primal(jax.tree.unflatten(treedef, p_leaves), jax.tree.unflatten(outer_def, outer_leaves),
                       tokens, targets)
 
-    def f_fwd(p_leaves, outer_leaves, tokens, targets):
-        out, grads = run(p_leaves, outer_leaves, tokens, targets)
-        return out, grads
-
     def f_bwd(grads, ct):
         g = ct[0]
         dparams, douter = grads
         return [g * d for d in dparams], [g * d for d in douter], None, None
 
-    f.defvjp(f_fwd, f_bwd)
+    f.defvjp(run, f_bwd)  # the forward computes the loss and the gradients, kept as residuals
     loss, ys = f(leaves, outer_leaves, tokens, targets)
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
 
