@@ -28,7 +28,12 @@ pipe              GPipe / circular: per iteration (M R + S - 1 of them) one coll
                   iteration, bubbles included (they compute on zeros). 1F1B: 2M + 3S - 3 permutes
                   (warm-up and steady forwards, steady backwards), the first stage's input gradients
                   to every stage once, the embedding / head gradients summed over stages once; a
-                  layer runs forward M + 2S - 2 times and again before each of its M + S - 1 backwards
+                  layer runs forward M + 2S - 2 times and again before each of its M + S - 1 backwards.
+                  GPipe / circular with M a multiple of S split the batch over ``pipe`` outside the
+                  stages: two all-gathers of the microstep's ``[rows, Tl, d]`` (the embedding's output
+                  to the stages, the head's input gradient to the last stage), the embedding / head
+                  gradients reduced over ``pipe`` with the batch axes, the head / loss / lookup
+                  collectives on ``rows / S``
 expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward
 seq               all_gather: per layer K and V all-gathered forward, reduce-scattered backward;
                   ring: per layer N-1 hops of K and V each way; ulysses: 4 all-to-alls each way
@@ -135,6 +140,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # a layer runs `layer_runs` times per step on `layer_rows` sequences
     layer_rows = rows // mb_ if pipelined else rows
     layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
+    # GPipe / circular: the batch also split over pipe outside the stages (jaxpar.partitioning)
+    pipe_batch = pipelined and not f1b and mb_ % s_ == 0
+    head_rows = rows / s_ if pipe_batch else rows
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
     fwd_runs = bwd_runs = layer_runs
@@ -160,7 +168,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         tied_table = tied and leaf.names == ("vocab", "embed")
         head = leaf.names in (("norm",), ("embed", "vocab")) or tied_table  # the final norm and the head
         leaf_axes = _spec_axes(leaf.compute)
-        red = tuple(a for a in big(TOKEN_AXES) if a not in leaf_axes)
+        red = tuple(a for a in big(TOKEN_AXES + (("pipe",) if pipe_batch and not leaf.stage else ()))
+                    if a not in leaf_axes)
         scatter = tuple(a for a in red if a in _spec_axes(leaf.opt))
         loops, local_iter = 1, local
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
@@ -197,8 +206,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # -- tensor parallelism --------------------------------------------------------------------------
     tp = ("tensor",)
     act = layer_rows * tl * d * act_bytes
-    head_act = rows * tl * d * act_bytes
-    head_grad = rows * tl * d * 4  # the loss sums its input gradient over tensor in float32
+    head_act = head_rows * tl * d * act_bytes
+    head_grad = head_rows * tl * d * 4  # the loss sums its input gradient over tensor in float32
     kept = () if remat == "none" else KEPT.get(remat, KEPT["save_dots"])  # offload keeps save_dots' (on host)
     # the backward's recompute of a layer redoes the attention-out all-reduce unless out_proj is kept
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
@@ -211,9 +220,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         add("all-reduce", tp, block_ar, act, "Megatron block all-reduces")
         # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
         add("all-reduce", tp, shared * (fwd_runs + bwd_runs) // every, act, "shared experts' all-reduces")
-        add("all-reduce", tp, lk, rows * tl * d * param_bytes, "vocab-parallel lookup")
+        add("all-reduce", tp, lk, head_rows * tl * d * param_bytes, "vocab-parallel lookup")
         add("all-reduce", tp, hk, head_grad, "loss input gradient")
-        add("all-reduce", tp, 3 * hk, rows * tl * 4, "loss max / sum / target over the vocabulary")
+        add("all-reduce", tp, 3 * hk, head_rows * tl * 4, "loss max / sum / target over the vocabulary")
     if sizes["tensor"] > 1 and par.megatron_sp:
         t_ = sizes["tensor"]
         add("all-gather", tp, 2 * fwd_runs + 2 * bwd_runs + 2 * redo_runs, act,
@@ -226,7 +235,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
         add("all-gather", tp, hk, head_act, "Megatron-SP head input all-gather")
         add("reduce-scatter", tp, hk, head_grad / t_, "Megatron-SP head input gradient")
-        add("all-reduce", tp, 3 * hk, rows * tl * 4, "loss max / sum / target over the vocabulary")
+        add("all-reduce", tp, 3 * hk, head_rows * tl * 4, "loss max / sum / target over the vocabulary")
         for leaf in leaves:  # weights applied to sequence-split activations: partial sums over tensor
             if "tensor" not in _spec_axes(leaf.compute):
                 add("all-reduce", tp, 1, math.prod(leaf.shape) * param_bytes / _shards(leaf.compute, sizes),
@@ -235,7 +244,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # -- pipeline --------------------------------------------------------------------------------------
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
-        out = head_act / (sizes["tensor"] if par.megatron_sp else 1)  # a microstep's [rows, Tl, d]
+        out = rows * tl * d * act_bytes / (sizes["tensor"] if par.megatron_sp else 1)  # a microstep's [rows, Tl, d]
         if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
             add("collective-permute", ("pipe",), k * (2 * mb_ + 3 * s_ - 3), res, "1F1B stage shifts")
             add("all-reduce", ("pipe",), k, out, "1F1B first stage's input gradients to every stage")
@@ -243,6 +252,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
             add("collective-permute", ("pipe",), 2 * k, out, "last stage's outputs to every stage (forward, backward)")
             add("all-reduce", ("pipe",), 2 * k, out, "outputs broadcast; input gradient summed over stages")
+            if pipe_batch:
+                add("all-gather", ("pipe",), 2 * k, out, "embedding output to the stages; head input gradient")
 
     # -- expert parallelism ----------------------------------------------------------------------------
     if m.arch == "moe" and sizes["expert"] > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxpar.config import TrainConfig
@@ -28,8 +29,24 @@ def decay_mask(axes: dict) -> dict:
                         axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` (same state, same result up to rounding) as one multiply by a
+    scalar: ``g * min(1, max_norm / |g|)``. Each clipped gradient is then a function of its own
+    gradient only, so the compiler writes it over the gradient's buffer; optax's
+    ``where(|g| < max_norm, g, g / |g| * max_norm)`` reads the unclipped gradient again in every
+    consumer and keeps both copies alive through the update (a second copy of all gradients)."""
+
+    def update(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(t: TrainConfig, axes: dict) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    parts = [clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay,
                              mask=decay_mask(axes)))
     return optax.chain(*parts)

@@ -7,7 +7,7 @@ Model code names the dimensions of its weights and activations with logical name
 =================  =======================================  ===================================
 logical name       mesh axes                                why
 =================  =======================================  ===================================
-batch              data, expert                             DP; ``expert`` is extra DP for dense
+batch              data, expert (+ pipe, see below)         DP; ``expert`` is extra DP for dense
 length             seq                                      sequence parallelism
 res_length         seq (+ tensor with Megatron-SP)          residual stream outside attn / MLP
 vocab, act_vocab   tensor                                   vocabulary-parallel embed / loss
@@ -25,6 +25,12 @@ stages, layers     pipe                                     pipeline parallelism
 Two rule sets exist: ``params`` (weights and activations) and ``opt`` (optimizer state, which is
 additionally split over the batch axes under ZeRO-1). A name with no rule, two dims of one array on
 the same mesh axis, or a dim the mesh axes do not divide is an error.
+
+Under a GPipe / circular pipeline (``pipe > 1``, M a multiple of S) ``batch`` is also split over
+``pipe`` outside the stages: the embedding, final norm, head and loss run on 1/S of the batch per
+pipe device instead of all of it on every one; :meth:`RuleSet.inside_stages` (the pipeline's rules)
+leaves ``pipe`` to the stage dim. (Under 1F1B they run inside the schedule, on the first and last
+stage.)
 
 ZeRO shards over every axis that splits the batch (``data``, ``expert``, ``seq``): all of them hold
 replicas of the dense weights, so all of them share the weights' (ZeRO-3) and the optimizer
@@ -122,6 +128,17 @@ class RuleSet:
     def mesh(self) -> Mesh | None:
         return self.params.mesh
 
+    def inside_stages(self) -> RuleSet:
+        """The rules inside pipeline stages: the batch is not split over ``pipe`` there (the stage dim
+        is); outside them it may be (module docstring)."""
+        if "pipe" not in self.params.table["batch"]:
+            return self
+
+        def without(r: Rules) -> Rules:
+            return Rules(dict(r.table, batch=tuple(a for a in r.table["batch"] if a != "pipe")), r.mesh, r.name)
+
+        return RuleSet(without(self.params), without(self.opt), without(self.compute), self.parallel)
+
     def table(self) -> str:
         """Printable table: the logical names that map to a mesh axis of size > 1, for
         parameters/activations and optimizer state (every other name is replicated)."""
@@ -141,8 +158,11 @@ class RuleSet:
 
 def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     """The rule tables for a parallel config (the only place rules are made)."""
+    s_ = par.pipe if mesh is None else mesh.shape["pipe"]
+    # pipe as extra batch parallelism outside the stages (module docstring)
+    pipe_batch = s_ > 1 and par.pipeline_schedule == "gpipe" and (par.microbatches or s_) % s_ == 0
     base = {
-        "batch": ("data", "expert"), "length": ("seq",),
+        "batch": ("data", "expert", "pipe") if pipe_batch else ("data", "expert"), "length": ("seq",),
         # the residual stream's sequence dim: also split over tensor under Megatron sequence parallelism
         "res_length": ("seq", "tensor") if par.megatron_sp else ("seq",),
         "vocab": ("tensor",), "act_vocab": ("tensor",),

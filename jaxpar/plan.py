@@ -21,7 +21,9 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share; 1F1B keeps the stage inputs of
   ``min(M, 2S - 1)`` microbatches and one microbatch's stage activations while its backward runs,
   and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
-  (3 x ``chunk x vocab / t``).
+  and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a GPipe pipeline
+  with M a multiple of S runs the loss on ``1/S`` of the tokens per device (the batch split over
+  ``pipe`` outside the stages).
 * **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
   ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
@@ -238,10 +240,13 @@ class Planner:
                    + micro * working + tokens * d) * ab
         elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
             act += 4 * tokens * d * ab
-        head_tokens = micro if f1b else tokens  # 1F1B's loss runs per microbatch
+        # 1F1B's loss runs per microbatch; GPipe's splits the batch over pipe when M is a multiple of S
+        pipe_batch = s_ > 1 and not f1b and (par.microbatches or s_) % s_ == 0
+        head_tokens = micro if f1b else tokens / s_ if pipe_batch else tokens
         chunk = min(head_tokens, m.loss_chunk_tokens or head_tokens)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
-        return act, 3 * chunk * vocab * 4
+        # the chunk's logits and their gradient, and the masked logits when the vocabulary is padded
+        return act, (2 + (vocab * t > m.vocab_size)) * chunk * vocab * 4
 
     def plan(self) -> tuple[list[Estimate], list[tuple[dict, str]]]:
         """(layouts that fit, fastest first; rejected layouts with the reason)."""

@@ -80,14 +80,14 @@ def test_chunked_loss_equals_whole_batch_loss(style, layout):
 def test_chunked_loss_bounds_the_logits_memory():
     """At 16 x 256 tokens and a 32000-word vocabulary the float32 logits alone are 524 MB: the loss
     over the whole batch at once holds them (and more); in chunks of 256 tokens the step's temp
-    memory is a small fraction of that."""
+    memory is smaller by more than those logits."""
     over = dict(model__vocab_size=32000, model__seq_len=256, train__batch_size=16, model__n_layers=1)
     whole = trainer(config("llama", model__loss_chunk_tokens=0, **over)).compile()["memory"]["temp_size"]
     chunked = trainer(config("llama", model__loss_chunk_tokens=256, **over)).compile()["memory"]["temp_size"]
     logits = 16 * 256 * 32000 * 4
     print(f"temp bytes: whole batch {whole / 2**20:.0f} MiB, 256-token chunks {chunked / 2**20:.0f} MiB")
     assert whole >= logits
-    assert chunked <= whole / 6
+    assert whole - chunked >= logits
 
 
 def _head_loss_reference(x, w, targets, vocab, layout):

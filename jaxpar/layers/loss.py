@@ -54,15 +54,17 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     ``res_length``) and ``w`` in its compute layout (vocabulary over ``tensor``)."""
     b, t, _ = x.shape
     n_tokens = b * t
+    padded = w.shape[0 if layout == "vd" else 1] > vocab_size
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
     if rules is None or mesh is None or mesh.size == 1:
-        kernel = _Kernel(vocab_size, layout, dtype, chunk_tokens, n_tokens, (), (), False)
+        kernel = _Kernel(vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, (), (), False)
         return _differentiable(kernel.__call__)(x, w, targets)
     big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
     vocab_axes = tuple(a for a in rules.compute.axes("vocab") if mesh.shape[a] > 1)
     token_axes = tuple(dict.fromkeys(a for a in big(("batch", "length")) if a not in vocab_axes))
-    kernel = _Kernel(vocab_size, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes, rules.megatron_sp)
+    kernel = _Kernel(vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes,
+                     rules.megatron_sp)
     p = rules.params
     x_spec, t_spec = p.spec(("batch", "res_length", "act_embed")), p.spec(("batch", "length"))
     w_spec = rules.compute.spec(("vocab", "embed") if layout == "vd" else ("embed", "vocab"))
@@ -118,8 +120,10 @@ def _differentiable(run):
 class _Kernel:
     """One device's chunked head + cross-entropy (its collectives over the given mesh axes)."""
 
-    def __init__(self, vocab_size, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes, megatron_sp):
-        self.vocab_size, self.layout, self.dtype, self.chunk_tokens = vocab_size, layout, dtype, chunk_tokens
+    def __init__(self, vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes,
+                 megatron_sp):
+        self.vocab_size, self.padded, self.layout, self.dtype = vocab_size, padded, layout, dtype
+        self.chunk_tokens = chunk_tokens
         self.n_tokens, self.vocab_axes, self.token_axes, self.sp = n_tokens, vocab_axes, token_axes, megatron_sp
 
     def _psum(self, v, axes):
@@ -143,16 +147,23 @@ class _Kernel:
             xc, tc = xt
             xc = xc.astype(self.dtype)
             logits = f32_einsum(f"btd,{self.layout}->btv", xc, wc)
-            logits = jnp.where(cols < self.vocab_size, logits, NEG)
+            if self.padded:  # (static: without padded columns no select, and no copy of the logits)
+                logits = jnp.where(cols < self.vocab_size, logits, NEG)
             m = jax.lax.pmax(jnp.max(logits, -1), self.vocab_axes) if self.vocab_axes else jnp.max(logits, -1)
-            e = jnp.exp(logits - m[..., None])
-            s = self._psum(jnp.sum(e, -1), self.vocab_axes)
-            hit = cols == tc[..., None]
-            target = self._psum(jnp.sum(jnp.where(hit, logits, 0.0), -1), self.vocab_axes)
+            s = self._psum(jnp.sum(jnp.exp(logits - m[..., None]), -1), self.vocab_axes)
+            # the target's logit by a gather (zero where another vocabulary shard holds the target)
+            local = tc - first
+            mine = (local >= 0) & (local < local_vocab)
+            picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)[..., 0]
+            target = self._psum(jnp.where(mine, picked, 0.0), self.vocab_axes)
             loss = loss + jnp.sum(jnp.log(s) + m - target)
             if not grads:
                 return (loss, dw), None
-            dlogits = ((e / s[..., None] - hit) / self.n_tokens).astype(self.dtype)
+            # softmax from the log-sum-exp rather than from `e`: the exponentials are recomputed in this
+            # fusion, so `e` is only ever a reduction's input and no third [tokens, vocab] buffer exists
+            lse = m + jnp.log(s)
+            hit = cols == tc[..., None]
+            dlogits = ((jnp.exp(logits - lse[..., None]) - hit) / self.n_tokens).astype(self.dtype)
             dx = f32_einsum(f"btv,{self.layout}->btd", dlogits, wc)
             dw = dw + f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
             return (loss, dw), dx

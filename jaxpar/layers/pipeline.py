@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.partitioning import RuleSet, active_rules, constrain
+from jaxpar.partitioning import RuleSet, active_rules, constrain, use_rules
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -66,12 +66,27 @@ def _shift(stages: int, step: int, ring: bool = False):
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
              outputs: bool = False, param_axes: list[tuple] | None = None):
+    """See :func:`_pipeline` (which runs under the rules inside the stages); ``x`` and the result are
+    in the caller's layout (e.g. the batch also split over ``pipe``)."""
+    outer = _rules()
+    with use_rules(outer.inside_stages()):
+        out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
+                        outputs=outputs, param_axes=param_axes)
+    y, ys = out if outputs else (out, None)
+    y = constrain(y, ("batch", "res_length", "act_embed"))
+    return (y, ys) if outputs else y
+
+
+def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
+              outputs: bool = False, param_axes: list[tuple] | None = None):
     """Run ``x [B, ...]`` through the stages; ``params`` leaves are ``[L, ...]`` in stage-major order,
     ``param_axes`` their logical names (in ``jax.tree.leaves`` order; the first is the layer dim),
     so that a stage's weights keep their other splits (e.g. over ``tensor``).
 
-    ``stage_fn(group_params, h)`` applies one group of layers (leaves ``[L/(S*R), ...]``) to a
-    microbatch ``h [B/M, ...]``. With ``outputs=True`` it returns ``(h, ys)`` with per-layer
+    ``stage_fn(stage_params, h, select=(first, count))`` applies layers ``first .. first+count-1``
+    of a stage (leaves ``[L/S, ...]``; ``first`` traced: the group of this iteration) to a microbatch
+    ``h [B/M, ...]``. It selects each layer itself, inside its remat policy, so that the backward
+    selects it again rather than the loop keeping a copy of the group's weights per iteration. With ``outputs=True`` it returns ``(h, ys)`` with per-layer
     leaves ``[L/(S*R), ...]`` (e.g. router statistics); the result is then ``(y, ys)`` with ``ys``
     leaves ``[L, ...]`` in storage order, each the mean over the M microbatches (bubble
     iterations excluded).
@@ -84,8 +99,10 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
     xs = constrain(x.reshape(mb, m_, *x.shape[1:]).swapaxes(0, 1), (None, *act))
     leaves, treedef = jax.tree.flatten(params)
     axes = param_axes or [(None,) * a.ndim for a in leaves]
+    lg = leaves[0].shape[0] // (s_ * r_)  # layers per group
+    # [S, R * lg, ...]: each device's R groups, contiguous in storage order (a free reshape)
     grouped = jax.tree.unflatten(treedef, [
-        constrain(a.reshape(s_, r_, a.shape[0] // (s_ * r_), *a.shape[1:]), ("stages", None, None) + tuple(ax[1:]))
+        constrain(a.reshape(s_, a.shape[0] // s_, *a.shape[1:]), ("stages", None) + tuple(ax[1:]))
         for a, ax in zip(leaves, axes)])
     state = constrain(jnp.zeros((s_, mb, *x.shape[1:]), x.dtype), ("stages", *act))
     # per stage, M microbatch slots, all holding the input microbatches at
@@ -94,13 +111,16 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
     # the input (a local broadcast), so that the input's gradient is summed over pipe once, after the loop.
     buf = constrain(jnp.broadcast_to(xs[None], (s_, *xs.shape)), ("stages", None, *act))
     stage_ids = jnp.arange(s_)
-    run_stages = jax.vmap(stage_fn, spmd_axis_name="pipe")
     shift = _shift(s_, 1, ring=r_ > 1)
+
+    def run_groups(grouped, repeat, inputs):
+        """Each stage's layer group of this iteration (``select``, see the docstring) on its input."""
+        return jax.vmap(lambda g, x, r: stage_fn(g, x, select=(r * lg, lg)), spmd_axis_name="pipe")(
+            grouped, inputs, repeat)
 
     acc = None
     if outputs:
-        group0 = jax.tree.map(lambda a: a[:, 0], grouped)
-        ys_shape = jax.eval_shape(run_stages, group0, state)[1]
+        ys_shape = jax.eval_shape(run_groups, grouped, stage_ids, state)[1]
         acc = jax.tree.map(lambda y: jnp.zeros((s_, r_, *y.shape[1:]), jnp.float32), ys_shape)
 
     def iteration(carry, t):
@@ -115,8 +135,7 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
 
         buf, inputs = jax.vmap(enter, spmd_axis_name="pipe")(stage_ids, buf, shifted)
         repeat = jnp.clip((t - stage_ids) // m_, 0, r_ - 1)
-        group = jax.vmap(lambda p, r: jax.tree.map(lambda a: a[r], p))(grouped, repeat)
-        state = run_stages(group, constrain(inputs, ("stages", *act)))
+        state = run_groups(grouped, repeat, constrain(inputs, ("stages", *act)))
         if outputs:
             state, ys = state
             k = t - stage_ids  # which (repeat, microbatch) each stage holds; bubble if outside [0, M*R)

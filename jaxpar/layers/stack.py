@@ -95,8 +95,16 @@ class Stack:
             out = nnx.merge(graphdef, layer_state)(h, *args)
             return out if self.outputs else (out, None)
 
-        def run(group, h):
-            h, ys = jax.lax.scan(rematerialise(body, self.remat), h, group)
+        def run(group, h, select=None):
+            if select is None:
+                h, ys = jax.lax.scan(rematerialise(body, self.remat), h, group)
+            else:  # layers first .. first + count - 1 of `group`, each selected inside the remat
+                first, count = select
+
+                def body_at(h, j):
+                    return body(h, jax.tree.map(lambda a: a[first + j], group))
+
+                h, ys = jax.lax.scan(rematerialise(body_at, self.remat), h, jnp.arange(count))
             return (h, ys) if self.outputs else h
 
         return run
