@@ -18,11 +18,15 @@ layer dim holds layer :func:`stage_major_order` [p], so that each device's group
 The last stage files its outputs in its own slots of a per-stage buffer (a local write), moved to
 every stage once after the loop; every stage holds a copy of the input microbatches, so that the
 input's gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per
-iteration. Bubble iterations compute on zeros (their results are never used): the compiled flops of
-the pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
+iteration. Bubble iterations compute on zeros (their results are never used; a ``cond`` on the stage
+under the stage ``vmap`` would lower to a select running both branches): the compiled flops of the
+pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
 gradient; what each layer keeps for it is the stage function's business (the model applies its
-``model.remat`` policy per layer inside the stage, as it does without a pipeline). The embedding,
-final norm and head run outside the stages (replicated over ``pipe``).
+``model.remat`` policy per layer inside the stage, as it does without a pipeline; the stage selects
+an iteration's layer group itself, so that no per-iteration copy of its weights is kept). The
+embedding, final norm and head run outside the stages, on the batch split over ``pipe`` as well when
+M is a multiple of S (:meth:`~jaxpar.partitioning.RuleSet.inside_stages`: the pipeline runs under
+rules whose ``batch`` leaves ``pipe`` to the stage dim).
 
 1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the embedding and the loss inside the
 schedule, the stage inputs of at most 2S - 1 microbatches held per stage. Long by design: the three
@@ -86,10 +90,10 @@ def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micr
     ``stage_fn(stage_params, h, select=(first, count))`` applies layers ``first .. first+count-1``
     of a stage (leaves ``[L/S, ...]``; ``first`` traced: the group of this iteration) to a microbatch
     ``h [B/M, ...]``. It selects each layer itself, inside its remat policy, so that the backward
-    selects it again rather than the loop keeping a copy of the group's weights per iteration. With ``outputs=True`` it returns ``(h, ys)`` with per-layer
-    leaves ``[L/(S*R), ...]`` (e.g. router statistics); the result is then ``(y, ys)`` with ``ys``
-    leaves ``[L, ...]`` in storage order, each the mean over the M microbatches (bubble
-    iterations excluded).
+    selects it again rather than the loop keeping a copy of the group's weights per iteration. With
+    ``outputs=True`` it returns ``(h, ys)`` with per-layer leaves ``[L/(S*R), ...]`` (e.g. router
+    statistics); the result is then ``(y, ys)`` with ``ys`` leaves ``[L, ...]`` in storage order,
+    each the mean over the M microbatches (bubble iterations excluded).
     """
     s_, r_, m_ = stages, repeats, microbatches
     b = x.shape[0]
