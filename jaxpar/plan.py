@@ -11,11 +11,13 @@ when it does not fit the device memory, and ranked by estimated step time. The m
 
 * **state** (exact): each parameter's bytes over the mesh axes its ``params`` / ``opt`` layout splits
   it on (the rules of :mod:`jaxpar.partitioning`, the same as a run's), AdamW's two float32 moments;
-  the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer).
+  the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer; on
+  XLA:CPU, which all-reduces and slices, whole).
 * **activations**: per layer and token, what the backward keeps. ``full`` remat: the block input
   (``d``) in every layer, plus one layer's working set; ``none``: the working set in every layer:
   ``5 d`` (norm outputs, residuals, projections) + the QKV, rotated q/k and attention outputs
-  ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` (MoE: ``top_k x capacity_factor`` of it) +
+  ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` (MoE: ``top_k x capacity_factor`` of it
+  with the dispatched rows, twice: the capacity-padded buffers and their gradients) +
   the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
   (``xla``; flash kernels do not). Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
   a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share; 1F1B keeps the stage inputs of
@@ -23,7 +25,8 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
   and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a GPipe pipeline
   with M a multiple of S runs the loss on ``1/S`` of the tokens per device (the batch split over
-  ``pipe`` outside the stages).
+  ``pipe`` outside the stages). The loss runs between the layers' forward and backward: the total
+  counts the larger of the logits and one layer's working set, not both (1F1B: both).
 * **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
   ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
@@ -177,12 +180,15 @@ class Planner:
         mem = est.memory
         mem["params"] = sum(math.prod(x.shape) * pb / comm._shards(x.params, sizes) for x in leaves)
         mem["opt"] = sum(2 * math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
-        mem["grads"] = sum(math.prod(x.shape) * pb / comm._shards(x.opt if par.zero >= 3 else x.compute, sizes)
+        # ZeRO-3 reduce-scatters each layer's gradient as the backward produces it; XLA:CPU all-reduces it
+        # whole and slices (jaxpar.comm), so there the whole gradient exists
+        scattered = par.zero >= 3 and self.platform != "cpu"
+        mem["grads"] = sum(math.prod(x.shape) * pb / comm._shards(x.opt if scattered else x.compute, sizes)
                            for x in leaves)
-        mem["activations"], mem["logits"] = self._activations(cfg, sizes, ab)
+        mem["activations"], mem["logits"], apart = self._activations(cfg, sizes, ab)
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
         mem["update"] = 0.5 * sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
-        mem["total"] = sum(mem.values())
+        mem["total"] = sum(mem.values()) - apart
         terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
         for term in terms:  # wire bytes by mesh-axis group, whatever the collective
             est.comm[term.label] = est.comm.get(term.label, 0.0) + term.wire_bytes
@@ -205,7 +211,8 @@ class Planner:
         span = math.prod(sizes[a] for a in AXES[outer:])  # consecutive devices the group reaches
         return self.cluster.inter_gbs if span > self.cluster.per_node and self.nodes > 1 else self.cluster.intra_gbs
 
-    def _activations(self, cfg: Config, sizes: dict, ab: int) -> tuple[float, float]:
+    def _activations(self, cfg: Config, sizes: dict, ab: int) -> tuple[float, float, float]:
+        """(activations, the loss chunk's logits, the bytes of the two that are never live together)."""
         import jax.numpy as jnp
 
         from jaxpar.layers.attention_ops import choose
@@ -217,9 +224,11 @@ class Planner:
         tokens = rows * tl
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
         ff = (3 if m.mlp == "swiglu" else 2) * m.d_ff
-        if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot
+        # MoE: the expert hidden and the dispatched rows in and out, per routed slot, and their gradients
+        # (capacity-padded, the layer's largest buffers: value and gradient are live together in its backward)
+        if m.arch == "moe":
             slots = e.top_k * (1 if e.dropless else e.capacity_factor)
-            ff = slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
+            ff = 2 * slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
         # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
         t_kv = m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
@@ -246,7 +255,12 @@ class Planner:
         chunk = min(head_tokens, m.loss_chunk_tokens or head_tokens)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
         # the chunk's logits and their gradient, and the masked logits when the vocabulary is padded
-        return act, (2 + (vocab * t > m.vocab_size)) * chunk * vocab * 4
+        logits = (2 + (vocab * t > m.vocab_size)) * chunk * vocab * 4
+        # the loss runs between the layers' forward and their backward, so its logits and one layer's
+        # working set in the backward are never live together (1F1B: the loss and a stage's backward
+        # share an iteration)
+        apart = 0.0 if f1b else min(logits, micro * working * ab)
+        return act, logits, apart
 
     def plan(self) -> tuple[list[Estimate], list[tuple[dict, str]]]:
         """(layouts that fit, fastest first; rejected layouts with the reason)."""
