@@ -77,6 +77,23 @@ def test_loss_and_grads_match_single_device(single, style, layout):
     assert_trees_close(grads, single[style][1], 1e-5, "grads ")
 
 
+def test_microbatches_not_a_multiple_of_stages():
+    """M = 3 on 2 stages: the rules leave the batch replicated over pipe outside the stages (only M a
+    multiple of S guarantees that every batch the config accepts divides data x pipe), and the numbers
+    are still the single device's. With M a multiple of S (GPipe) the rules split it; 1F1B never does."""
+    from jaxpar.partitioning import make_rules
+
+    base = dict(train__batch_size=12)
+    loss, grads = loss_grads(config("gpt2", **base, parallel__pipe=2, parallel__microbatches=3))
+    ref = loss_grads(config("gpt2", **base))
+    assert rel_err(loss, ref[0]) <= 1e-5
+    assert_trees_close(grads, ref[1], 1e-5, "grads ")
+    batch = lambda **p: make_rules(config("gpt2", **p).parallel).params.table["batch"]  # noqa: E731
+    assert "pipe" not in batch(parallel__pipe=2, parallel__microbatches=3)
+    assert "pipe" in batch(parallel__pipe=2, parallel__microbatches=4)
+    assert "pipe" not in batch(parallel__pipe=2, parallel__pipeline_schedule="1f1b")
+
+
 def _report(**layout):
     return trainer(config("llama", **L4, **layout)).compile()
 
