@@ -262,8 +262,9 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     def unstaged(p_leaves):
         return [a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for a in p_leaves]
 
-    def stage(group_leaves, x):
-        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x)
+    def stage(group_leaves, x):  # the stage's layers selected inside the stage's scan (see `pipeline`):
+        # scanning them as xs under the stage vmap would transpose (copy) the stage's weights
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(0, leaves[0].shape[0] // s_))
 
     def ys_cotangent(ys):
         return {k: jnp.full(y.shape, ys_weights.get(k, 0.0) / m_, y.dtype) for k, y in ys.items()}
