@@ -23,8 +23,9 @@ tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward
                   backward; gradients of weights not split over tensor all-reduced over tensor
 pipe              GPipe / circular: per iteration (M R + S - 1 of them) one collective-permute of
                   ``[rows, Tl, d]`` forward and one backward; once per microstep the last stage's
-                  outputs to every stage (a permute and an all-reduce of the microstep's
-                  ``[rows, Tl, d]``, and the same backward); every layer collective runs on each
+                  outputs summed over the stages and the input's gradient too (two all-reduces of
+                  the microstep's ``[rows, Tl, d]``; reduce-scatters on GPU / TPU when the batch is
+                  split over ``pipe`` outside the stages); every layer collective runs on each
                   iteration, bubbles included (they compute on zeros). 1F1B: 2M + 3S - 3 permutes
                   (warm-up and steady forwards, steady backwards), the first stage's input gradients
                   to every stage once, the embedding / head gradients summed over stages once; a
@@ -250,8 +251,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             add("all-reduce", ("pipe",), k, out, "1F1B first stage's input gradients to every stage")
         else:
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
-            add("collective-permute", ("pipe",), 2 * k, out, "last stage's outputs to every stage (forward, backward)")
-            add("all-reduce", ("pipe",), 2 * k, out, "outputs broadcast; input gradient summed over stages")
+            add("all-reduce", ("pipe",), 2 * k, out, "outputs summed over stages; input gradient summed over stages")
             if pipe_batch:
                 add("all-gather", ("pipe",), 2 * k, out, "embedding output to the stages; head input gradient")
 

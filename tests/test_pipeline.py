@@ -113,7 +113,7 @@ def test_pipe_traffic_is_point_to_point(sched):
     per_row = cfg.model.seq_len * cfg.model.d_model * 4
     reduces = {}
     r = sched.get("parallel__pipeline_repeats", 1)
-    for m in ((2, 16) if sched.get("parallel__pipeline_schedule") else (2, 4)):
+    for m in (2, 16):
         c = trainer(config("llama", model__n_layers=2 * r, parallel__pipe=2, parallel__data=2, parallel__tensor=2,
                            parallel__microbatches=m, train__batch_size=2 * m * 2, **sched)  # 2 rows per microbatch
                     ).compile()["collectives"]                                                   # and data shard
@@ -128,9 +128,11 @@ def test_pipe_traffic_is_point_to_point(sched):
             assert cp["count"] == 2 * m + 3 * 2 - 3 and cp["bytes"] == cp["count"] * act
             if m == 16:
                 assert cp["bytes"] <= 1.1 * (2 * m * act), (cp["bytes"], 2 * m * act)
-        else:  # 2(MR + S - 1) shifts, and the outputs (M microbatches) to every stage and back once
+        else:  # 2(MR + S - 1) shifts and nothing else (the outputs leave the last stage by a reduction)
             iters = m * r + 2 - 1
-            assert cp["count"] == 2 * iters + 2 and cp["bytes"] == 2 * iters * act + 2 * m * act
+            assert cp["count"] == 2 * iters and cp["bytes"] == 2 * iters * act
+            if m == 16:
+                assert cp["bytes"] <= 1.1 * (2 * m * r * act), (cp["bytes"], 2 * m * r * act)
         reduces[m] = c["all-reduce"]["by_axes"]["pipe"]["count"]
     assert len(set(reduces.values())) == 1 and max(reduces.values()) <= 6, reduces
 

@@ -15,10 +15,11 @@ the last stage the ring shift takes it to stage 0, which holds it until t = (r+1
 M*R + S - 1 iterations, bubble (S-1)/(M*R+S-1). Storage is stage-major: position p of the stacked
 layer dim holds layer :func:`stage_major_order` [p], so that each device's groups are contiguous.
 
-The last stage files its outputs in its own slots of a per-stage buffer (a local write), moved to
-every stage once after the loop; every stage holds a copy of the input microbatches, so that the
-input's gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per
-iteration. Bubble iterations compute on zeros (their results are never used; a ``cond`` on the stage
+The last stage files its outputs in its own slots of a per-stage buffer (a local write); after the
+loop the buffers, all but the last stage's zeroed, are summed over ``pipe`` once into the caller's
+layout (a reduce-scatter when the batch is split over ``pipe`` there); every stage holds a copy of
+the input microbatches, so that the input's gradient is summed over ``pipe`` once: nothing but the
+stage shifts crosses ``pipe`` per iteration. Bubble iterations compute on zeros (their results are never used; a ``cond`` on the stage
 under the stage ``vmap`` would lower to a select running both branches): the compiled flops of the
 pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
 gradient; what each layer keeps for it is the stage function's business (the model applies its
@@ -77,7 +78,7 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
         out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
                         outputs=outputs, param_axes=param_axes)
     y, ys = out if outputs else (out, None)
-    y = constrain(y, ("batch", "res_length", "act_embed"))
+    y = constrain(jnp.sum(y, axis=0).swapaxes(0, 1).reshape(x.shape), ("batch", "res_length", "act_embed"))
     return (y, ys) if outputs else y
 
 
@@ -154,8 +155,9 @@ def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micr
         return (state, constrain(buf, ("stages", None, *act)), acc), None
 
     (_, buf, acc), _ = jax.lax.scan(iteration, (state, buf, acc), jnp.arange(m_ * r_ + s_ - 1))
-    # the outputs to every pipe device at once (the head and the loss run outside the stages)
-    y = constrain(buf[s_ - 1].swapaxes(0, 1).reshape(x.shape), act)
+    # the last stage's outputs: each stage's buffer with all but the last stage's zeroed, summed over the
+    # stages by the caller into its layout (a reduce-scatter when the batch is split over pipe there)
+    y = constrain(jnp.where((stage_ids == s_ - 1)[:, None, None, None, None], buf, 0), ("stages", None, *act))
     if not outputs:
         return y
     return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
