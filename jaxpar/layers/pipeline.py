@@ -21,8 +21,8 @@ layout (a reduce-scatter when the batch is split over ``pipe`` there); every sta
 the input microbatches, so that the input's gradient is summed over ``pipe`` once: nothing but the
 stage shifts crosses ``pipe`` per iteration. Bubble iterations compute on zeros (their results are
 never used; a ``cond`` on the stage under the stage ``vmap`` would lower to a select running both
-branches): the compiled flops of the pipelined layers are (M*R+S-1)/(M*R) times those of the plain stack. The backward is the scan's
-gradient; what each layer keeps for it is the stage function's business (the model applies its
+branches): the compiled flops of the pipelined layers are (M*R+S-1)/(M*R) times those of the
+plain stack. The backward is the scan's gradient; what each layer keeps for it is the stage function's business (the model applies its
 ``model.remat`` policy per layer inside the stage, as it does without a pipeline; the stage selects
 an iteration's layer group itself, so that no per-iteration copy of its weights is kept). The
 embedding, final norm and head run outside the stages, on the batch split over ``pipe`` as well when
