@@ -21,13 +21,14 @@ layout (a reduce-scatter when the batch is split over ``pipe`` there); every sta
 the input microbatches, so that the input's gradient is summed over ``pipe`` once: nothing but the
 stage shifts crosses ``pipe`` per iteration. Bubble iterations compute on zeros (their results are
 never used; a ``cond`` on the stage under the stage ``vmap`` would lower to a select running both
-branches): the compiled flops of the pipelined layers are (M*R+S-1)/(M*R) times those of the
-plain stack. The backward is the scan's gradient; what each layer keeps for it is the stage function's business (the model applies its
-``model.remat`` policy per layer inside the stage, as it does without a pipeline; the stage selects
-an iteration's layer group itself, so that no per-iteration copy of its weights is kept). The
-embedding, final norm and head run outside the stages, on the batch split over ``pipe`` as well when
-M is a multiple of S (:meth:`~jaxpar.partitioning.RuleSet.inside_stages`: the pipeline runs under
-rules whose ``batch`` leaves ``pipe`` to the stage dim).
+branches): the compiled flops of the pipelined layers are (M*R+S-1)/(M*R) times those of the plain
+stack. The backward is the scan's gradient; what each layer keeps for it is the stage function's
+business (the model applies its ``model.remat`` policy per layer inside the stage, as it does
+without a pipeline; the stage selects an iteration's layer group itself, so that no per-iteration
+copy of its weights is kept). The embedding, final norm and head run outside the stages, on the
+batch split over ``pipe`` as well when M is a multiple of S
+(:meth:`~jaxpar.partitioning.RuleSet.inside_stages`: the pipeline runs under rules whose ``batch``
+leaves ``pipe`` to the stage dim).
 
 1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the embedding and the loss inside the
 schedule, the stage inputs of at most 2S - 1 microbatches held per stage. Long by design: the three
