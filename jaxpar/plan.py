@@ -15,11 +15,13 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   XLA:CPU, which all-reduces and slices, whole).
 * **activations**: per layer and token, what the backward keeps. ``full`` remat: the block input
   (``d``) in every layer, plus one layer's working set; ``none``: the working set in every layer:
-  ``5 d`` (norm outputs, residuals, projections) + the QKV, rotated q/k and attention outputs
-  ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` (MoE: ``top_k x capacity_factor`` of it
-  with the dispatched rows, twice: the capacity-padded buffers and their gradients) +
+  ``5 d`` (norm outputs, residuals, projections; ``/ t`` under Megatron-SP) + the QKV, rotated q/k
+  and attention outputs ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` hidden (MoE:
+  ``top_k x capacity_factor`` of it with the dispatched rows, capacity-padded) +
   the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
-  (``xla``; flash kernels do not). Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
+  (``xla``; flash kernels do not). The layer whose backward runs also holds its MLP hidden's
+  gradient and, under tensor parallelism, ``2 d`` of partial sums beside their reduced results.
+  Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
   a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share; 1F1B keeps the stage inputs of
   ``min(M, 2S - 1)`` microbatches and one microbatch's stage activations while its backward runs,
   and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
@@ -224,28 +226,32 @@ class Planner:
         tokens = rows * tl
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
         ff = (3 if m.mlp == "swiglu" else 2) * m.d_ff
-        # MoE: the expert hidden and the dispatched rows in and out, per routed slot, and their gradients
-        # (capacity-padded, the layer's largest buffers: value and gradient are live together in its backward)
-        if m.arch == "moe":
+        if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot (capacity-padded)
             slots = e.top_k * (1 if e.dropless else e.capacity_factor)
-            ff = 2 * slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
+            ff = slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
         # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
         t_kv = m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
                         n_kv_heads=kv, platform=self.platform, seq_len=t_kv)
         probs = 2 * h * t_kv / t * (4 / ab) if kernel == "xla" else 0.0
         heads = h // n if n > 1 and par.seq_attention == "ulysses" else h
-        working = 5 * d + (4 * heads + 3 * kv) * hd / t + ff / t + probs  # elements per token of one layer
+        res = d / t if par.megatron_sp else d  # the residual stream's tensors (split over tensor under Megatron-SP)
+        # what a layer keeps for its backward, per token
+        kept = 5 * res + (4 * heads + 3 * kv) * hd / t + ff / t + probs
+        # and, in the one layer whose backward runs: the MLP hidden's gradient, and under tensor parallelism
+        # the partial sums reduced over tensor ([tokens, d]: a row-parallel layer's output, a column-parallel
+        # layer's input gradient) beside their reduced results
+        working = kept + ff / t + (2 * d if t > 1 else 0)
         s_ = sizes["pipe"]
         layers = m.n_layers // s_
         held = tokens * ((par.microbatches or s_) + s_ - 1) / (par.microbatches or s_) if s_ > 1 else tokens
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
-        # plus one layer's working set again: the backward's gradients of it (and, under remat, its recompute)
-        act = (layers * held * (working if m.remat == "none" else d) + micro * working) * ab
+        # plus one layer's working set: the backward's (and, under remat, its recompute's)
+        act = (layers * held * (kept if m.remat == "none" else d) + micro * working) * ab
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
         if f1b:
             m_ = par.microbatches or s_
-            act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * (working if m.remat == "none" else d)
+            act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * (kept if m.remat == "none" else d)
                    + micro * working + tokens * d) * ab
         elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
             act += 4 * tokens * d * ab
