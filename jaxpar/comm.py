@@ -67,6 +67,7 @@ from jaxpar.hlo import wire_bytes
 from jaxpar.layers.moe import expert_capacity
 from jaxpar.layers.remat import KEPT
 from jaxpar.mesh import AXES
+from jaxpar.partitioning import batch_over_pipe
 
 TOKEN_AXES = ("data", "expert", "seq")
 
@@ -142,7 +143,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     layer_rows = rows // mb_ if pipelined else rows
     layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
     # GPipe / circular: the batch also split over pipe outside the stages (jaxpar.partitioning)
-    pipe_batch = pipelined and not f1b and mb_ % s_ == 0
+    pipe_batch = batch_over_pipe(par, s_)
     head_rows = rows / s_ if pipe_batch else rows
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)

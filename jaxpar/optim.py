@@ -32,9 +32,10 @@ def decay_mask(axes: dict) -> dict:
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm`` (same state, same result up to rounding) as one multiply by a
     scalar: ``g * min(1, max_norm / |g|)``. Each clipped gradient is then a function of its own
-    gradient only, so the compiler writes it over the gradient's buffer; optax's
+    gradient only, so the compiler may write it over the gradient's buffer; optax's
     ``where(|g| < max_norm, g, g / |g| * max_norm)`` reads the unclipped gradient again in every
-    consumer and keeps both copies alive through the update (a second copy of all gradients)."""
+    consumer of the update. (Measured on XLA:CPU: 1 MiB less on the MaxText pipeline layout of
+    ``benchmarks/pipeline_memory.py`` with 128-token loss chunks, nothing at the default chunk.)"""
 
     def update(updates, state, params=None):
         del params

@@ -156,11 +156,15 @@ class RuleSet:
         return "\n".join(lines)
 
 
+def batch_over_pipe(par: ParallelConfig, stages: int) -> bool:
+    """Whether ``batch`` is also split over ``pipe`` outside the pipeline stages (module docstring):
+    GPipe / circular with M a multiple of S, so that every batch the config accepts divides."""
+    return stages > 1 and par.pipeline_schedule == "gpipe" and (par.microbatches or stages) % stages == 0
+
+
 def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     """The rule tables for a parallel config (the only place rules are made)."""
-    s_ = par.pipe if mesh is None else mesh.shape["pipe"]
-    # pipe as extra batch parallelism outside the stages (module docstring)
-    pipe_batch = s_ > 1 and par.pipeline_schedule == "gpipe" and (par.microbatches or s_) % s_ == 0
+    pipe_batch = batch_over_pipe(par, par.pipe if mesh is None else mesh.shape["pipe"])
     base = {
         "batch": ("data", "expert", "pipe") if pipe_batch else ("data", "expert"), "length": ("seq",),
         # the residual stream's sequence dim: also split over tensor under Megatron sequence parallelism

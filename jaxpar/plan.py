@@ -218,6 +218,7 @@ class Planner:
         import jax.numpy as jnp
 
         from jaxpar.layers.attention_ops import choose
+        from jaxpar.partitioning import batch_over_pipe
 
         m, par, tr, e = cfg.model.resolved(), cfg.parallel, cfg.train, cfg.moe
         t, n = sizes["tensor"], sizes["seq"]
@@ -256,8 +257,7 @@ class Planner:
         elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
             act += 4 * tokens * d * ab
         # 1F1B's loss runs per microbatch; GPipe's splits the batch over pipe when M is a multiple of S
-        pipe_batch = s_ > 1 and not f1b and (par.microbatches or s_) % s_ == 0
-        head_tokens = micro if f1b else tokens / s_ if pipe_batch else tokens
+        head_tokens = micro if f1b else tokens / s_ if batch_over_pipe(par, s_) else tokens
         chunk = min(head_tokens, m.loss_chunk_tokens or head_tokens)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
         # the chunk's logits and their gradient, and the masked logits when the vocabulary is padded
