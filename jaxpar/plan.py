@@ -13,8 +13,12 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   it on (the rules of :mod:`jaxpar.partitioning`, the same as a run's), AdamW's two float32 moments;
   the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer; on
   XLA:CPU, which all-reduces and slices, whole).
-* **activations**: per layer and token, what the backward keeps. ``full`` remat: the block input
-  (``d``) in every layer, plus one layer's working set; ``none``: the working set in every layer:
+* **activations**: per layer and token, what the backward keeps. ``full`` remat (and ``offload``, on
+  the device): the block input (``d``) in every layer, plus one layer's working set; ``save_dots``,
+  ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
+  that the backward reads (``qkv_proj (H + 2 KV) hd / t``, ``attention H hd / t``, ``mlp_up
+  (2|1) ff / t``; ``out_proj`` and ``mlp_down`` feed a residual add, whose backward does not read
+  them); ``none``: the working set in every layer:
   ``5 d`` (norm outputs, residuals, projections; ``/ t`` under Megatron-SP) + the QKV, rotated q/k
   and attention outputs ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` hidden (MoE:
   ``top_k x capacity_factor`` of it with the dispatched rows, capacity-padded) +
@@ -33,7 +37,8 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
   ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
 * **compute**: model flops (:mod:`jaxpar.flops`) per device, plus the recomputed forward
-  (``full``: one more forward, 1/3 of the step; 1F1B: one more, its stage recompute) and the pipeline
+  (``full``: one more forward, 1/3 of the step; the other policies the share of a layer's matmuls
+  that produces what they drop, :func:`_recomputed`; 1F1B: one more, its stage recompute) and the pipeline
   bubble ``(M + S - 1) / M``; at
   ``efficiency`` x peak (default 0.5).
 * **time**: compute + communication, none of it overlapped (an upper bound; the ranking is what is used).
@@ -41,6 +46,9 @@ when it does not fit the device memory, and ranked by estimated step time. The m
 ``--check K`` compiles the train step of the K best layouts ahead of time on simulated CPU devices
 (:mod:`jaxpar.compile`) and prints predicted against compiled memory and collective bytes, both for
 XLA:CPU (float32 activations, its collective passes).
+
+Long by design: each quantity's formula sits beside the enumeration, the ranking and the CLI that use
+it, so that the documented model and the code are read together.
 """
 
 from __future__ import annotations
@@ -198,7 +206,8 @@ class Planner:
         s_, mb = sizes["pipe"], par.microbatches or sizes["pipe"]
         est.bubble = (mb + s_ - 1) / mb if s_ > 1 else 1.0
         model = flops.model_flops_per_step(cfg) / self.n
-        recompute = (m.remat != "none") + (s_ > 1 and par.pipeline_schedule == "1f1b")  # extra forwards
+        # extra forwards: the remat policy's share of one, and 1F1B's recompute of each stage
+        recompute = _recomputed(cfg) + (s_ > 1 and par.pipeline_schedule == "1f1b")
         work = model * (1 + recompute / 3) * est.bubble
         est.compute_seconds = work / (self.cluster.peak_tflops * 1e12 * self.efficiency)
         est.step_seconds = est.compute_seconds + est.comm_seconds
@@ -218,6 +227,7 @@ class Planner:
         import jax.numpy as jnp
 
         from jaxpar.layers.attention_ops import choose
+        from jaxpar.layers.remat import KEPT
         from jaxpar.partitioning import batch_over_pipe
 
         m, par, tr, e = cfg.model.resolved(), cfg.parallel, cfg.train, cfg.moe
@@ -227,9 +237,11 @@ class Planner:
         tokens = rows * tl
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
         ff = (3 if m.mlp == "swiglu" else 2) * m.d_ff
+        up: float = (2 if m.mlp == "swiglu" else 1) * m.d_ff  # the up (gate-up) projection's output
         if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot (capacity-padded)
             slots = e.top_k * (1 if e.dropless else e.capacity_factor)
             ff = slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
+            up = slots * (2 if m.mlp == "swiglu" else 1) * (e.d_ff or m.d_ff)
         # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
         t_kv = m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
@@ -243,16 +255,21 @@ class Planner:
         # the partial sums reduced over tensor ([tokens, d]: a row-parallel layer's output, a column-parallel
         # layer's input gradient) beside their reduced results
         working = kept + ff / t + (2 * d if t > 1 else 0)
+        # what each layer keeps between its forward and its backward: all of the above without remat;
+        # with a policy, its input and the named matmul outputs it saves that the backward reads
+        # (out_proj and mlp_down feed a residual add, whose backward does not read them)
+        named = {"qkv_proj": (h + 2 * kv) * hd / t, "attention": h * hd / t, "mlp_up": up / t}
+        stored = kept if m.remat == "none" else d + sum(named.get(x, 0.0) for x in KEPT.get(m.remat, ()))
         s_ = sizes["pipe"]
         layers = m.n_layers // s_
         held = tokens * ((par.microbatches or s_) + s_ - 1) / (par.microbatches or s_) if s_ > 1 else tokens
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
         # plus one layer's working set: the backward's (and, under remat, its recompute's)
-        act = (layers * held * (kept if m.remat == "none" else d) + micro * working) * ab
+        act = (layers * held * stored + micro * working) * ab
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
         if f1b:
             m_ = par.microbatches or s_
-            act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * (kept if m.remat == "none" else d)
+            act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * stored
                    + micro * working + tokens * d) * ab
         elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
             act += 4 * tokens * d * ab
@@ -285,6 +302,24 @@ class Planner:
                 ok.append(est)
         ok.sort(key=lambda e: (e.step_seconds, e.memory["total"]))
         return ok, rejected
+
+
+def _recomputed(cfg: Config) -> float:
+    """The forwards the backward recomputes under ``model.remat``: one for ``full``; none for ``none``
+    and the policies that keep every matmul output the backward reads (``save_dots``, ``minimal``,
+    ``offload``); else the share of a layer's matmul flops that produces what the policy drops:
+    ``save_dots_except_mlp`` the MLP's up projection, ``save_qkv_proj`` that and attention's ``QK^T``
+    and ``PV`` (the backward reads neither out-projection's nor down-projection's output)."""
+    m = cfg.model.resolved()
+    if m.remat in ("none", "save_dots", "minimal", "offload", "full"):
+        return float(m.remat == "full")
+    d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
+    moe = m.arch == "moe"
+    width = (cfg.moe.top_k * (cfg.moe.d_ff or m.d_ff)) if moe else m.d_ff
+    up = (2 if m.mlp == "swiglu" else 1) * width * d
+    core = m.seq_len * h * hd  # QK^T and PV, each 2 T H hd per token halved by the causal mask (per 2 flops)
+    layer = d * (h + 2 * kv) * hd + h * hd * d + (3 if m.mlp == "swiglu" else 2) * width * d + core
+    return (up + (core if m.remat == "save_qkv_proj" else 0)) / layer
 
 
 def describe(ov: dict) -> str:

@@ -5,7 +5,7 @@ The model's ``platform="cpu"`` form predicts XLA:CPU's program (no reduce-scatte
 all-reduce folding or reassociation, no loop code motion); its ``"gpu"`` form is the theory, which
 XLA's GPU/TPU collective passes reach. Each (collective kind, mesh axes) entry must match within
 5%, entries under 1% of the step's bytes (norm-scale gradients, loss statistics) within 1% of it.
-The five-axis layouts are checked in tests/test_five_axes.py's 32-device process."""
+The five-axis layouts are checked in tests/test_plan.py's 32-device process."""
 
 import pytest
 
@@ -50,8 +50,8 @@ LAYOUTS = {
 
 
 def check(t, label: str) -> dict:
-    """Assert the compiled step of trainer ``t`` matches the CPU model; returns both totals and the GPU model's."""
-    t.compile()
+    """Assert the compiled step of trainer ``t`` (compiled by ``hlo_text`` unless it was) matches the CPU
+    model; returns both totals and the GPU model's."""
     got = comm.measured(hlo.collectives(t.hlo_text(), t.sizes, min_bytes=MIN_BYTES))
     leaves = comm.leaves_of(t)
     model = comm.summarize([x for x in comm.traffic(t.cfg, t.sizes, leaves, platform="cpu")

@@ -1,7 +1,8 @@
 """All five axes at once (data=2 x pipe=2 x expert=2 x seq=2 x tensor=2 = 32 simulated devices) give
 the loss and gradients of one device: the dense GPT (expert = extra data parallelism; ring
 attention; the GPipe schedule) and the MoE model (experts split over `expert`; Ulysses attention; the 1F1B
-schedule), and their collectives are the communication model's. Runs in a subprocess that asks for 32 CPU devices."""
+schedule). Runs in a subprocess that asks for 32 CPU devices. Their collectives and memory against the
+analytic models: tests/test_plan.py's five-axes test."""
 
 from helpers import run_script
 
@@ -27,13 +28,6 @@ got = loss_grads(config("llama_gqa", parallel__data=2, parallel__pipe=2, paralle
 assert rel_err(got[0], ref[0]) <= 1e-5, (got[0], ref[0])
 assert_trees_close(got[1], ref[1], 1e-5, "moe grads ")
 print("moe loss", got[0], ref[0])
-# and every byte they move is the analytic model's (tests/test_comm.py)
-from test_comm import check
-from helpers import trainer
-five = dict(parallel__data=2, parallel__pipe=2, parallel__expert=2, parallel__seq=2, parallel__tensor=2)
-check(trainer(config("llama_gqa", parallel__seq_attention="ring", **over, **five)), "five axes, dense, ring")
-check(trainer(config("llama_gqa", parallel__seq_attention="ulysses", parallel__pipeline_schedule="1f1b", **moe,
-                     **five)), "five axes, MoE, ulysses, 1F1B")
 print("five axes ok")
 """
 

@@ -67,6 +67,28 @@ def remat(fn, name: str):
     return jax.checkpoint(fn, policy=policy(name), prevent_cse=False)
 
 
+# What ``none`` recomputes in a layer that selects its weights from a group inside a loop, as pipeline
+# stages do: the outputs of the selection and of the weight's sharding annotation. Kept, they are a
+# copy of the layer's weights per loop iteration (a pipeline runs M R + S - 1 of them). Casts are kept:
+# recomputing an activation's cast would keep its wider input instead (so under a bfloat16 compute
+# dtype the stage keeps its layers' bfloat16 weights per iteration, as without remat).
+_SELECTION = frozenset({"dynamic_slice", "gather", "squeeze", "sharding_constraint"})
+
+
+def _keep_all_but_selection(prim, *_, **__) -> bool:
+    return prim.name not in _SELECTION
+
+
+def select_remat(fn, name: str):
+    """``fn``, a layer that selects its weights from its group, rematerialised with policy ``name``.
+    Under ``none`` it keeps everything the backward reads except the selected weights (``_SELECTION``),
+    which the backward selects again. Only for that: a nested ``jax.checkpoint`` (ring attention's
+    blocks) would keep what its own policy recomputes."""
+    if name == "none":
+        return jax.checkpoint(fn, policy=_keep_all_but_selection, prevent_cse=False)
+    return remat(fn, name)
+
+
 def check_supported(name: str, device) -> None:
     """``offload`` needs a pinned host memory space on the device's platform."""
     policy(name)

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxpar.layers.pipeline import one_f_one_b, pipeline, stage_major_order
 from jaxpar.layers.remat import remat as rematerialise
+from jaxpar.layers.remat import select_remat
 from jaxpar.partitioning import active_rules
 
 
@@ -104,7 +105,7 @@ class Stack:
                 def body_at(h, j):
                     return body(h, jax.tree.map(lambda a: a[first + j], group))
 
-                h, ys = jax.lax.scan(rematerialise(body_at, self.remat), h, jnp.arange(count))
+                h, ys = jax.lax.scan(select_remat(body_at, self.remat), h, jnp.arange(count))
             return (h, ys) if self.outputs else h
 
         return run
