@@ -32,24 +32,21 @@ def main(argv=None) -> int:
 
     request_cpu_devices(8)
     from helpers import trainer
-    from test_plan import LAYOUTS, TINY
+    from test_plan import LAYOUTS, layout
 
-    from jaxpar.config import load_config
     from jaxpar.plan import CLUSTERS, Planner
 
     for policy in a.remat:
         ratios = []
         for arch, par in LAYOUTS:
-            cfg = load_config(None, TINY + [f"model.remat={policy}"]
-                              + (["model.arch=moe", "moe.n_experts=4"] if arch == "moe" else []))
+            cfg, ov = layout(arch, par, [f"model.remat={policy}"])
             planner = Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu")
-            ov = {f"parallel.{k}": v for k, v in par.items()}
             est = planner.estimate(ov)
             mem = trainer(planner.config(ov)).compile()["memory"]
             total = mem["argument_size"] + mem["output_size"] + mem["temp_size"] - mem["alias_size"]
             ratios.append(est.memory["total"] / total)
-            layout = ", ".join(f"{k}={v}" for k, v in par.items())
-            print(f"{policy:22s} {arch:4s} {layout:75s} {est.memory['total'] / 2**20:6.2f} / {total / 2**20:6.2f} MiB"
+            shown = ", ".join(f"{k}={v}" for k, v in par.items())
+            print(f"{policy:22s} {arch:4s} {shown:75s} {est.memory['total'] / 2**20:6.2f} / {total / 2**20:6.2f} MiB"
                   f"  {ratios[-1]:.2f}", flush=True)
         within = sum(0.9 < r < 1.1 for r in ratios)
         print(f"{policy}: {within} of {len(ratios)} within 10% ({min(ratios):.2f} to {max(ratios):.2f})\n", flush=True)

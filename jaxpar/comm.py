@@ -14,8 +14,9 @@ Per strategy (``rows`` = sequences per device per microstep, or per pipeline mic
 data (+expert,    gradients: one reduction over every axis that splits the tokens and not the leaf
 seq)              (data, expert, seq): all-reduce of ``P_g``; reduce-scatter into the optimizer's
                   shards under ZeRO >= 1, then (ZeRO-1) one all-gather of the updated parameters;
-                  ZeRO-3: one all-gather of each weight per use (forward, and again for the
-                  backward when ``model.remat`` is not none) in every accumulation microstep
+                  ZeRO-3: one all-gather of each layer weight per use (forward, and again for the
+                  backward when ``model.remat`` is not none) in every accumulation microstep; the
+                  embedding's and head's once per step (hoisted out of the accumulation loop)
 tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward (attention-out,
                   MLP-down) and 2 backward (the column layers' input gradients); the vocab-parallel
                   lookup's all-reduce, the loss's 3 floats per token and its input gradient.
@@ -51,7 +52,8 @@ SPMD partitioning (``ReduceScatterCreator``, ``AllReduceFolder``, ``AllReduceRea
 ``WhileLoopAllReduceCodeMotion``), so ``platform="cpu"`` predicts what it emits instead, at these
 costs: a reduce-scatter is an all-reduce (+ a slice): 2x its wire bytes; a gradient reduced over
 ``seq`` and over ``data`` / ``expert`` is two all-reduces, one per split dim (``2(s-1)/s + 2(d-1)/d``
-instead of ``2(sd-1)/sd``); a tied table's two gradient contributions are reduced apart (one more
+instead of ``2(sd-1)/sd``), unless the weight is used inside a ``shard_map`` (embedding, loss, MoE,
+Megatron-SP's matmuls); a tied table's two gradient contributions are reduced apart (one more
 table); a gradient inside a loop (gradient accumulation, pipeline iterations) is reduced in every
 iteration (x the trip count, a circular pipeline's iteration holding 1/R of the stage).
 """
@@ -182,9 +184,10 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
         # a dot contracting batch and sequence dims reduces over each split apart on XLA:CPU; weights
-        # used inside a shard_map (the table's lookup, the head's loss, MoE router and experts) are
-        # reduced over all the token axes at once by its transpose
-        joint = {"vocab", "experts", "router"} & set(leaf.names)
+        # used inside a shard_map (the table's lookup, the head's loss, MoE router and experts, the
+        # tensor-split matmuls of Megatron-SP) are reduced over all the token axes at once by its transpose
+        joint = bool({"vocab", "experts", "router"} & set(leaf.names)) or (
+            par.megatron_sp and sizes["tensor"] > 1 and "tensor" in leaf_axes)
         split = platform == "cpu" and "seq" in red and len(red) > 1 and not joint
         groups = [(("seq",), ), (tuple(a for a in red if a != "seq"),)] if split else [(red,)]
         copies = 2 if (platform == "cpu" and tied_table and not f1b) else 1
@@ -201,9 +204,11 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         if f1b and head:  # each stage's gradient of the head's weights, summed over the stages
             add("all-reduce", ("pipe",), k, local, "1F1B head gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
-        if zero3:  # ZeRO-3: gathered before each use, in every gradient-accumulation microstep
+        if zero3:  # ZeRO-3: a layer's weights gathered before each use, in every gradient-accumulation
+            # microstep; the embedding's and head's gathers do not depend on the microstep, and XLA hoists
+            # them out of the accumulation loop
             regather = leaf.stage and remat != "none"  # the layer's recompute gathers its weights again
-            add("all-gather", zero3, k * (1 + regather), local, "ZeRO-3 weight all-gather")
+            add("all-gather", zero3, k * (1 + regather) if leaf.stage else 1, local, "ZeRO-3 weight all-gather")
 
     # -- tensor parallelism --------------------------------------------------------------------------
     tp = ("tensor",)

@@ -12,7 +12,8 @@ when it does not fit the device memory, and ranked by estimated step time. The m
 * **state** (exact): each parameter's bytes over the mesh axes its ``params`` / ``opt`` layout splits
   it on (the rules of :mod:`jaxpar.partitioning`, the same as a run's), AdamW's two float32 moments;
   the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer; on
-  XLA:CPU, which all-reduces and slices, whole).
+  XLA:CPU, which all-reduces and slices, whole), and with ``grad_accum > 1`` their running sum in the
+  optimizer's layout.
 * **activations**: per layer and token, what the backward keeps. ``full`` remat (and ``offload``, on
   the device): the block input (``d``) in every layer, plus one layer's working set; ``save_dots``,
   ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
@@ -195,6 +196,8 @@ class Planner:
         scattered = par.zero >= 3 and self.platform != "cpu"
         mem["grads"] = sum(math.prod(x.shape) * pb / comm._shards(x.opt if scattered else x.compute, sizes)
                            for x in leaves)
+        if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
+            mem["grads"] += sum(math.prod(x.shape) * pb / comm._shards(x.opt, sizes) for x in leaves)
         mem["activations"], mem["logits"], apart = self._activations(cfg, sizes, ab)
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
         mem["update"] = 0.5 * sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)

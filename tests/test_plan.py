@@ -19,7 +19,7 @@ from jaxpar.plan import CLUSTERS, Planner, main
 TINY = ["model.style=llama", "model.n_layers=4", "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=4",
         "model.seq_len=64", "model.vocab_size=512", "train.batch_size=16", "model.remat=full"]
 LAYOUTS = [  # every strategy alone and combined on 8 devices: 12 layouts, and all five axes on 32 (FIVE_AXES)
-    ("gpt", dict(data=8, zero=1)), ("gpt", dict(data=8, zero=3)), ("gpt", dict(data=2, tensor=4)),
+    ("gpt", dict(data=8, zero=1)), ("gpt", dict(data=8, zero=3, grad_accum=2)), ("gpt", dict(data=2, tensor=4)),
     ("gpt", dict(data=2, tensor=4, megatron_sp=True)), ("gpt", dict(data=4, pipe=2, microbatches=4)),
     ("gpt", dict(data=2, pipe=2, pipeline_repeats=2, tensor=2, microbatches=4)), ("moe", dict(data=2, expert=4)),
     ("gpt", dict(data=2, seq=4, seq_attention="ring")), ("gpt", dict(data=2, seq=4, seq_attention="ulysses")),
@@ -31,12 +31,21 @@ FIVE_AXES = [("gpt", dict(FIVE, seq_attention="ring")),
              ("moe", dict(FIVE, seq_attention="ulysses", pipeline_schedule="1f1b"))]
 
 
+def layout(arch, par, extra=()):
+    """A layout's base config (``TINY`` + ``extra``; ``grad_accum`` in ``par`` is ``train.grad_accum``) and
+    its planner overrides."""
+    par = dict(par)
+    accum = [f"train.grad_accum={par.pop('grad_accum')}"] if "grad_accum" in par else []
+    moe = ["model.arch=moe", "moe.n_experts=4"] if arch == "moe" else []
+    cfg = load_config(None, TINY + list(extra) + accum + moe)
+    return cfg, {f"parallel.{k}": v for k, v in par.items()}
+
+
 def check_layout(arch, par, nodes=1):
     """The planner's state (exact), collective bytes (2%) and total memory (10%) for ``par`` against the
     compiled train step on the simulated devices."""
-    cfg = load_config(None, TINY + (["model.arch=moe", "moe.n_experts=4"] if arch == "moe" else []))
+    cfg, ov = layout(arch, par)
     planner = Planner(cfg, CLUSTERS["cpu"], nodes, platform="cpu")
-    ov = {f"parallel.{k}": v for k, v in par.items()}
     est = planner.estimate(ov)
     t = trainer(planner.config(ov))
     rep = t.compile()
