@@ -19,7 +19,8 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
   that the backward reads (``qkv_proj (H + 2 KV) hd / t``, ``attention H hd / t``, ``mlp_up
   (2|1) ff / t``; ``out_proj`` and ``mlp_down`` feed a residual add, whose backward does not read
-  them); ``none``: the working set in every layer:
+  them); ``none``: the working set in every layer, and the layers' weights as their matmuls took
+  them outside a pipeline (cast or annotated: a copy of the stack in the compute dtype):
   ``5 d`` (norm outputs, residuals, projections; ``/ t`` under Megatron-SP) + the QKV, rotated q/k
   and attention outputs ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` hidden (MoE:
   ``top_k x capacity_factor`` of it with the dispatched rows, capacity-padded) +
@@ -199,6 +200,11 @@ class Planner:
         if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
             mem["grads"] += sum(math.prod(x.shape) * pb / comm._shards(x.opt, sizes) for x in leaves)
         mem["activations"], mem["logits"], apart = self._activations(cfg, sizes, ab)
+        if m.remat == "none" and sizes["pipe"] == 1:  # the backward reads each layer's weights as its
+            # matmuls took them, cast or annotated: a copy of the stack in the compute dtype (a pipeline
+            # stage selects its layers again in the backward, jaxpar.layers.remat.select_remat)
+            mem["activations"] += sum(math.prod(x.shape) * ab / comm._shards(x.compute, sizes)
+                                      for x in leaves if x.stage)
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
         mem["update"] = 0.5 * sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
         mem["total"] = sum(mem.values()) - apart
