@@ -41,16 +41,24 @@ def peak_flops(device, override_tflops: float = 0.0) -> float | None:
     return next((v for k, v in PEAK_FLOPS if k.lower() in kind), None)
 
 
-def matmul_params(cfg: Config) -> int:
-    """``N_matmul``: the weights one token multiplies (active experts only), the head included."""
+def layer_matmul_params(cfg: Config, moe: bool) -> int:
+    """The weights one token multiplies in one layer: attention and the MLP, or (``moe``) attention, the
+    router and the ``top_k`` active experts."""
     m = cfg.model.resolved()
     d, hd = m.d_model, m.head_dim
     attn = d * (m.n_heads + 2 * m.n_kv_heads) * hd + m.n_heads * hd * d
     per_mlp = 3 if m.mlp == "swiglu" else 2
-    dense = attn + per_mlp * d * m.d_ff
+    if not moe:
+        return attn + per_mlp * d * m.d_ff
+    return attn + d * cfg.moe.n_experts + cfg.moe.top_k * per_mlp * d * (cfg.moe.d_ff or m.d_ff)
+
+
+def matmul_params(cfg: Config) -> int:
+    """``N_matmul``: the weights one token multiplies (active experts only), the head included."""
+    m = cfg.model.resolved()
     n_moe = m.n_layers // cfg.moe.every if m.arch == "moe" else 0
-    moe = attn + d * cfg.moe.n_experts + cfg.moe.top_k * per_mlp * d * (cfg.moe.d_ff or m.d_ff)
-    return (m.n_layers - n_moe) * dense + n_moe * moe + d * m.vocab_size
+    return ((m.n_layers - n_moe) * layer_matmul_params(cfg, False) + n_moe * layer_matmul_params(cfg, True)
+            + m.d_model * m.vocab_size)
 
 
 def model_flops_per_token(cfg: Config) -> float:

@@ -190,23 +190,28 @@ class Planner:
         ab = jnp.dtype(compute_dtype(m.compute_dtype, self.platform)).itemsize
         est = Estimate(overrides)
         mem = est.memory
-        mem["params"] = sum(math.prod(x.shape) * pb / comm._shards(x.params, sizes) for x in leaves)
-        mem["opt"] = sum(2 * math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
+
+        def per_device(layout: str, nbytes: float, stage_only: bool = False) -> float:
+            """Bytes per device of the leaves (``stage_only``: the layer stack's) in ``layout``, at ``nbytes``
+            per element."""
+            return sum(math.prod(x.shape) * nbytes / comm._shards(getattr(x, layout), sizes)
+                       for x in leaves if x.stage or not stage_only)
+
+        mem["params"] = per_device("params", pb)
+        mem["opt"] = per_device("opt", 2 * 4)
         # ZeRO-3 reduce-scatters each layer's gradient as the backward produces it; XLA:CPU all-reduces it
         # whole and slices (jaxpar.comm), so there the whole gradient exists
         scattered = par.zero >= 3 and self.platform != "cpu"
-        mem["grads"] = sum(math.prod(x.shape) * pb / comm._shards(x.opt if scattered else x.compute, sizes)
-                           for x in leaves)
+        mem["grads"] = per_device("opt" if scattered else "compute", pb)
         if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
-            mem["grads"] += sum(math.prod(x.shape) * pb / comm._shards(x.opt, sizes) for x in leaves)
+            mem["grads"] += per_device("opt", pb)
         mem["activations"], mem["logits"], apart = self._activations(cfg, sizes, ab)
         if m.remat == "none" and sizes["pipe"] == 1:  # the backward reads each layer's weights as its
             # matmuls took them, cast or annotated: a copy of the stack in the compute dtype (a pipeline
             # stage selects its layers again in the backward, jaxpar.layers.remat.select_remat)
-            mem["activations"] += sum(math.prod(x.shape) * ab / comm._shards(x.compute, sizes)
-                                      for x in leaves if x.stage)
+            mem["activations"] += per_device("compute", ab, stage_only=True)
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
-        mem["update"] = 0.5 * sum(math.prod(x.shape) * 4 / comm._shards(x.opt, sizes) for x in leaves)
+        mem["update"] = 0.5 * per_device("opt", 4)
         mem["total"] = sum(mem.values()) - apart
         terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
         for term in terms:  # wire bytes by mesh-axis group, whatever the collective
@@ -319,16 +324,16 @@ def _recomputed(cfg: Config) -> float:
     ``offload``); else the share of a layer's matmul flops that produces what the policy drops:
     ``save_dots_except_mlp`` the MLP's up projection, ``save_qkv_proj`` that and attention's ``QK^T``
     and ``PV`` (the backward reads neither out-projection's nor down-projection's output)."""
+    from jaxpar.flops import layer_matmul_params
+
     m = cfg.model.resolved()
     if m.remat in ("none", "save_dots", "minimal", "offload", "full"):
         return float(m.remat == "full")
-    d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
     moe = m.arch == "moe"
     width = (cfg.moe.top_k * (cfg.moe.d_ff or m.d_ff)) if moe else m.d_ff
-    up = (2 if m.mlp == "swiglu" else 1) * width * d
-    core = m.seq_len * h * hd  # QK^T and PV, each 2 T H hd per token halved by the causal mask (per 2 flops)
-    layer = d * (h + 2 * kv) * hd + h * hd * d + (3 if m.mlp == "swiglu" else 2) * width * d + core
-    return (up + (core if m.remat == "save_qkv_proj" else 0)) / layer
+    up = (2 if m.mlp == "swiglu" else 1) * width * m.d_model
+    core = m.seq_len * m.n_heads * m.head_dim  # QK^T and PV: 2 T H hd flops per token each, halved by the mask
+    return (up + (core if m.remat == "save_qkv_proj" else 0)) / (layer_matmul_params(cfg, moe) + core)
 
 
 def describe(ov: dict) -> str:
