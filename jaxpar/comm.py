@@ -150,14 +150,15 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
     fwd_runs = bwd_runs = layer_runs
-    if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the stage for its backward
+    if f1b:  # warm-up and steady-loop forwards, and the recompute of the stage for each backward (steady and
+        # cool-down loops); a bubble skips the work, but the compiled loop body holds it
         bwd_runs = k * (mb_ + s_ - 1) * (m.n_layers // s_)
-        fwd_runs = k * (mb_ + 2 * s_ - 2) * (m.n_layers // s_) + bwd_runs
+        fwd_runs = k * (mb_ + s_ - 1) * (m.n_layers // s_) + bwd_runs
     redo_runs = bwd_runs if remat != "none" else 0
     # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
     # (the loss in each steady iteration, the lookup in each forward)
-    head_runs = (mb_ + s_ - 1) / mb_ if f1b else 1.0
-    lookup_runs = (mb_ + 2 * s_ - 2) / mb_ if f1b else 1.0
+    head_runs = 1.0
+    lookup_runs = (mb_ + s_ - 1) / mb_ if f1b else 1.0
     terms: list[Term] = []
 
     def add(kind, axes, count, result, what):
@@ -178,8 +179,10 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         loops, local_iter = 1, local
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
             loops = k * (iters if leaf.stage and pipelined else 1)
-            if f1b and (leaf.stage or head):  # accumulated in 1F1B's steady loop (a tied table: once more,
-                loops = k * (mb_ + s_ - 1 + tied_table)  # for the lookup after it)
+            if f1b and leaf.stage:  # accumulated in 1F1B's steady and cool-down loops
+                loops = k * (mb_ + s_ - 1)
+            elif f1b and head:  # accumulated in 1F1B's steady loop (a tied table: once more, for the
+                loops = k * (mb_ + tied_table)  # lookup's gradient after the loops)
 
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
@@ -201,8 +204,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
-        if f1b and head:  # each stage's gradient of the head's weights, summed over the stages
-            add("all-reduce", ("pipe",), k, local, "1F1B head gradients summed over stages")
+        if f1b and not leaf.stage:  # the embedding's (first stage) and head's (last stage) gradients
+            add("all-reduce", ("pipe",), k, local, "1F1B embedding / head gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
         if zero3:  # ZeRO-3: a layer's weights gathered before each use, in every gradient-accumulation
             # microstep; the embedding's and head's gathers do not depend on the microstep, and XLA hoists
@@ -252,9 +255,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
         out = rows * tl * d * act_bytes / (sizes["tensor"] if par.megatron_sp else 1)  # a microstep's [rows, Tl, d]
-        if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
-            add("collective-permute", ("pipe",), k * (2 * mb_ + 3 * s_ - 3), res, "1F1B stage shifts")
-            add("all-reduce", ("pipe",), k, out, "1F1B first stage's input gradients to every stage")
+        if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady and cool-down
+            # loops (with S = 2 the cool-down is one iteration, whose shift nothing reads: XLA drops it)
+            add("collective-permute", ("pipe",), k * (2 * mb_ + 2 * s_ - 2 - (s_ == 2)), res, "1F1B stage shifts")
         else:
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
             add("all-reduce", ("pipe",), 2 * k, out, "outputs summed over stages; input gradient summed over stages")

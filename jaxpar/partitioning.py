@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, ModelConfig, ParallelConfig
@@ -59,7 +59,7 @@ class Rules:
     """A logical-name -> mesh-axes table bound to a mesh."""
 
     table: dict
-    mesh: Mesh | None = None
+    mesh: Mesh | AbstractMesh | None = None  # abstract inside a shard_map manual over some axes
     name: str = "params"
 
     def axes(self, name: str | None) -> tuple[str, ...]:
@@ -125,8 +125,17 @@ class RuleSet:
         return bool(self.parallel and self.parallel.megatron_sp and self.axis_size("tensor") > 1)
 
     @property
-    def mesh(self) -> Mesh | None:
+    def mesh(self) -> Mesh | AbstractMesh | None:
         return self.params.mesh
+
+    def manual_axes(self) -> set[str]:
+        """The mesh axes of size > 1 that a layer's ``shard_map`` makes manual: all of them, less those
+        already manual where it runs (``pipe`` inside a 1F1B stage)."""
+        mesh = self.mesh
+        if mesh is None:
+            return set()
+        done = set(getattr(mesh, "manual_axes", ()))
+        return {a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in done}
 
     def inside_stages(self) -> RuleSet:
         """The rules inside pipeline stages: the batch is not split over ``pipe`` there (the stage dim
@@ -138,6 +147,19 @@ class RuleSet:
             return Rules(dict(r.table, batch=tuple(a for a in r.table["batch"] if a != "pipe")), r.mesh, r.name)
 
         return RuleSet(without(self.params), without(self.opt), without(self.compute), self.parallel)
+
+    def manual_pipe(self) -> RuleSet:
+        """The rules inside a ``shard_map`` manual over ``pipe`` (a device's own pipeline stage): bound
+        to the abstract mesh there (so that constraints and nested ``shard_map`` s see ``pipe`` as
+        manual), with ``pipe`` dropped from every name: inside, each device holds its stage only."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if "pipe" not in mesh.manual_axes:
+            raise RuntimeError("RuleSet.manual_pipe is for use inside a shard_map manual over pipe")
+
+        def local(r: Rules) -> Rules:
+            return Rules({k: tuple(a for a in v if a != "pipe") for k, v in r.table.items()}, mesh, r.name)
+
+        return RuleSet(local(self.params), local(self.opt), local(self.compute), self.parallel)
 
     def table(self) -> str:
         """Printable table: the logical names that map to a mesh axis of size > 1, for
@@ -315,3 +337,18 @@ def param(value: jax.Array, names) -> nnx.Param:
     if len(names) != value.ndim:
         raise ValueError(f"{len(names)} logical names {names} for an array of rank {value.ndim}")
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def vma(v) -> frozenset:
+    """The manual mesh axes ``v`` varies over inside ``shard_map``: ``.manual_axis_type.varying`` (jax
+    0.10), ``.vma`` (other versions); empty outside."""
+    t = jax.typeof(v)
+    return t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else getattr(t, "vma", frozenset())
+
+
+def varying(v, axes):
+    """``v`` made varying over those of ``axes`` it is not yet varying over (``jax.lax.pcast``): e.g. a
+    loop's zero-initialised carry, to match what the loop body makes of it (inside a 1F1B stage every
+    activation varies over ``pipe``)."""
+    missing = tuple(a for a in axes if a not in vma(v))
+    return jax.lax.pcast(v, missing, to="varying") if missing else v

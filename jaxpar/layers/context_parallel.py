@@ -188,7 +188,7 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     """
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
-    if rules is None or mesh is None or mesh.size == 1:
+    if rules is None or mesh is None or not rules.manual_axes():
         return attention(q, k, v, kernel, q_pos=positions, k_pos=positions)
     strategy = rules.seq_attention
     if strategy is None:
@@ -218,7 +218,7 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     # ops are the explicit collectives above, so the check adds nothing to correctness.
     # manual over the axes of size > 1 only: every one of them splits q, k and v (the pipeline's vmap
     # adds `pipe`), so the backward has no axis to sum a replicated input's gradient over
-    manual = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+    manual = rules.manual_axes()
     fn = jax.shard_map(lambda q, k, v, *pos: local(q, k, v, pos[0] if pos else None), mesh=mesh,
                        in_specs=specs, out_specs=qs, axis_names=manual, check_vma=False)
     return fn(*args)

@@ -68,7 +68,7 @@ class VocabParallelEmbed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         rules = active_rules()
-        if rules is None or rules.mesh is None or rules.mesh.size == 1:
+        if rules is None or rules.mesh is None or not rules.manual_axes():
             return jnp.take(self.table(), ids, axis=0).astype(self.dtype)
         return self._lookup(ids, rules)
 

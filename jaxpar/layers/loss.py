@@ -57,7 +57,7 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     padded = w.shape[0 if layout == "vd" else 1] > vocab_size
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
-    if rules is None or mesh is None or mesh.size == 1:
+    if rules is None or mesh is None or not rules.manual_axes():
         kernel = _Kernel(vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, (), (), False)
         return _differentiable(kernel.__call__)(x, w, targets)
     big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
@@ -68,7 +68,7 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     p = rules.params
     x_spec, t_spec = p.spec(("batch", "res_length", "act_embed")), p.spec(("batch", "length"))
     w_spec = rules.compute.spec(("vocab", "embed") if layout == "vd" else ("embed", "vocab"))
-    manual = {a for a in mesh.axis_names if mesh.shape[a] > 1}
+    manual = rules.manual_axes()
 
     # dw leaves the shard_map unreduced, one partial sum per token shard on a leading dim: summing
     # it outside lets XLA fold that reduction into the gradient reduction of the rest of the model

@@ -89,8 +89,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import SORTED_PIPE, ConfigError
 from jaxpar.layers.mlp import MLP
-from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
-from jaxpar.partitioning import active_rules, param
+from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts
+from jaxpar.partitioning import active_rules, param, varying
 
 
 def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float, dropless: bool = False) -> int:
@@ -252,7 +252,8 @@ class MoE(nnx.Module):
         sp = tuple(a for a in big(rules.params.axes("res_length")) if a in tensor)
         ax = _Axes(batch + length, expert, tensor, sp, math.prod(mesh.shape[a] for a in expert))
         manual = set(ax.tokens) | set(expert) | set(tensor)
-        if manual and mesh.shape["pipe"] > 1:  # inside the pipeline's vmap over stages (spmd axis `pipe`)
+        if manual and "pipe" in rules.manual_axes():  # inside the pipeline's vmap over stages (spmd axis
+            # `pipe`); inside a 1F1B stage's shard_map pipe is manual already
             manual.add("pipe")
             if self.dispatch == "sorted":
                 raise ConfigError(SORTED_PIPE)

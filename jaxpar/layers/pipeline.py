@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
 from jaxpar.partitioning import RuleSet, active_rules, constrain, use_rules
 
 
@@ -186,14 +188,6 @@ def _put(buf: jax.Array, value: jax.Array, slot, ok) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), slot, 0)
 
 
-def _stage_split(a: jax.Array) -> jax.Array:
-    """Pin the leading (stage) dim of a per-stage buffer to ``pipe``; the other dims are the compiler's."""
-    mesh = _rules().mesh
-    assert mesh is not None  # _rules() checked it
-    spec = jax.sharding.PartitionSpec("pipe", *[jax.sharding.PartitionSpec.UNCONSTRAINED] * (a.ndim - 1))
-    return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(mesh, spec))
-
-
 def stash_slots(stages: int) -> int:
     """Microbatches whose stage inputs a 1F1B stage holds at once: stage s keeps microbatch m from
     its forward (iteration m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0)."""
@@ -216,8 +210,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
     layers; ``(y_mb, ys)`` with per-layer outputs when ``ys_weights`` is given) and
     ``last_fn(outer, y_mb, targets_mb) -> loss_mb`` (head and mean loss of one microbatch). ``params``
-    leaves are ``[L, ...]`` (layer order; ``param_axes`` their logical names), ``outer`` the weights of
-    ``first_fn`` / ``last_fn`` (shared: a tied embedding is one weight).
+    leaves are ``[L, ...]`` (layer order, split over ``pipe``; ``param_axes`` their logical names),
+    ``outer`` the weights of ``first_fn`` / ``last_fn`` (shared: a tied embedding is one weight).
 
     Returns ``(loss, ys)``: the mean over microbatches of ``last_fn`` plus, with ``ys_weights`` (a dict
     name -> weight over the stage's per-layer outputs ``ys``, a dict of float arrays; missing names
@@ -228,174 +222,183 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     ``custom_vjp`` whose forward computes the gradients, which its backward scales).
 
     Schedule (:func:`schedule_1f1b`): on iteration t stage s runs the forward of microbatch t - s and the
-    backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in two loops:
-    S - 1 warm-up iterations of forwards only, then one forward and one backward per iteration (the
-    forward skipped by a ``lax.cond`` on t in the last S - 1). The last stage runs the loss of a
-    microbatch and its gradient as soon as its forward is done, so a stage keeps the inputs of at most
-    2S - 1 microbatches (:func:`stash_slots`): activation memory O(S), not O(M) as GPipe's. A stage's
-    backward runs its forward again from the stashed input (``jax.vjp``, so the layers' remat policy
-    decides what that one microbatch keeps while its backward runs): the stage is rematerialised as a
-    whole, as ``model.remat=full`` would. (Stashing the ``jax.vjp`` residuals instead would save that
-    forward but copy the stage's weights into every slot: the linearisation of a scan over layers
-    re-emits its stacked weights as residuals.)
+    backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in three loops:
+    S - 1 warm-up iterations of forwards only, M of one forward and one backward, S - 1 of backwards
+    only. The last stage runs the loss of a microbatch and its gradient as soon as its forward is done,
+    so a stage keeps the inputs of at most 2S - 1 microbatches (:func:`stash_slots`): activation memory
+    O(S), not O(M) as GPipe's. A stage's backward runs its forward again from the stashed input
+    (``jax.vjp``, so the layers' remat policy decides what that one microbatch keeps while its backward
+    runs): the stage is rematerialised as a whole, as ``model.remat=full`` would. (Stashing the
+    ``jax.vjp`` residuals instead would save that forward but copy the stage's weights into every slot:
+    the linearisation of a scan over layers re-emits its stacked weights as residuals.)
 
-    Communication over ``pipe``: one ``ppermute`` of the activations forward and one of the gradients
-    backward per iteration; once per step the first stage's input gradients go to every stage (the
-    embedding's weight gradient is computed once, after the loops, on every stage) and the per-stage
-    accumulators of the head's gradients are summed. The embedding and the loss run under the stage
-    ``vmap``, so each stage computes them and only stage 0's resp. S-1's result is used: cheap next to
-    a stage for the embedding, an extra head matmul per microbatch on the other stages for the loss,
-    traded against broadcasting the last stage's output over ``pipe`` every iteration.
+    The schedule runs in a ``shard_map`` manual over ``pipe`` (every other axis stays the compiler's,
+    under :meth:`~jaxpar.partitioning.RuleSet.manual_pipe`), so each device decides for itself with a
+    ``lax.cond``: the embedding (forward and weight gradient) runs on the first stage only, the head
+    and loss on the last stage only, and a stage in the bubble (no forward or no backward this
+    iteration) skips that work. What crosses ``pipe``: one ``ppermute`` of a microbatch's activations
+    forward per iteration of the first two loops and one of its gradient backward per iteration of the
+    last two (2M + 2(S-1) in all, against the minimum 2M), and once per step the sum over stages of
+    the embedding / head gradients (each nonzero on one stage only) and of the loss.
     """
     s_, m_ = stages, microbatches
     k_ = stash_slots(s_)
     b = tokens.shape[0]
     mb = b // m_
+    rules = _rules()
     leaves, treedef = jax.tree.flatten(params)
     outer_leaves, outer_def = jax.tree.flatten(outer)
-    dtypes = [a.dtype for a in leaves]
+    n_local = leaves[0].shape[0] // s_
+    has_ys = ys_weights is not None
 
     def split_mb(a):  # microbatch m = rows m, m+M, ... (stays split over the batch axes)
         return constrain(a.reshape(mb, m_, *a.shape[1:]).swapaxes(0, 1), (None, "batch", "length"))
 
-    def staged(p_leaves):
-        return [constrain(a.reshape(s_, a.shape[0] // s_, *a.shape[1:]), ("stages", None) + tuple(ax[1:]))
-                for a, ax in zip(p_leaves, param_axes)]
-
-    def unstaged(p_leaves):
-        return [a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for a in p_leaves]
-
-    def stage(group_leaves, x):  # the stage's layers selected inside the stage's scan (see `pipeline`):
-        # scanning them as xs under the stage vmap would transpose (copy) the stage's weights
-        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(0, leaves[0].shape[0] // s_))
+    def stage(group_leaves, x):  # the stage's layers, each selected inside its remat (see `pipeline`)
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(0, n_local))
 
     def ys_cotangent(ys):
         return {k: jnp.full(y.shape, ys_weights.get(k, 0.0) / m_, y.dtype) for k, y in ys.items()}
 
-    def run(p_leaves, outer_leaves, tokens, targets):
-        outer_ = jax.tree.unflatten(outer_def, outer_leaves)
-        toks, tgts = split_mb(tokens), split_mb(targets)
-        groups = staged(p_leaves)
-        x0 = jax.eval_shape(first_fn, outer_, toks[0])
-        first_used = _used_leaves(first_fn, outer_leaves, outer_def, toks[0])
-        last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), tgts[0])
+    x0 = jax.eval_shape(first_fn, outer, tokens[:mb])
+    first_used = _used_leaves(first_fn, outer_leaves, outer_def, tokens[:mb])
+    last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), targets[:mb])
+    outer_used = sorted(set(first_used) | set(last_used))
+    act = ("batch", "res_length", "act_embed")
+    ys_shape = None  # a stage's per-layer outputs
+    if has_ys:
+        group = [jax.ShapeDtypeStruct((n_local, *a.shape[1:]), a.dtype) for a in leaves]
+        ys_shape = jax.eval_shape(stage, group, x0)[1]
+    fwd_perm = [(s, s + 1) for s in range(s_ - 1)]
 
-        def pick(used):
-            return [outer_leaves[i] for i in used]
+    def batch_of(a):  # [M, B/M, ...] -> [B, ...] in the batch's row order (undoes split_mb)
+        names = ("batch", "length") if a.ndim == 3 else ("batch", "res_length", "act_embed")
+        return constrain(a.swapaxes(0, 1).reshape(b, *a.shape[2:]), names)
+
+    bwd_perm = [(s + 1, s) for s in range(s_ - 1)]
+
+    def local(p_leaves, o_leaves, toks, tgts):
+        """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
+        s = jax.lax.axis_index("pipe")
+        outer_ = jax.tree.unflatten(outer_def, o_leaves)
 
         def with_leaves(used, sub):  # the outer tree with the leaves at `used` replaced by `sub`
-            full = list(outer_leaves)
+            full = list(o_leaves)
             for i, a in zip(used, sub):
                 full[i] = a
             return jax.tree.unflatten(outer_def, full)
-        out_shape = jax.eval_shape(jax.vmap(stage), groups, jnp.zeros((s_, *x0.shape), x0.dtype))
-        has_ys = ys_weights is not None
-        act = ("stages", "batch", "res_length", "act_embed")
-        per_mb = ("stages", None, "batch", "res_length", "act_embed")
-        carry = dict(
-            fwd=constrain(jnp.zeros((s_, *x0.shape), x0.dtype), act),
-            bwd=constrain(jnp.zeros((s_, *x0.shape), x0.dtype), act),
-            stash=constrain(jnp.zeros((s_, k_, *x0.shape), x0.dtype), per_mb),
-            # the first stage's input gradients, for the embedding's weight gradient after the loop
-            dins=constrain(jnp.zeros((s_, m_, *x0.shape), x0.dtype), per_mb),
-            dgroups=[constrain(jnp.zeros_like(g), ("stages", None) + tuple(ax[1:]))
-                     for g, ax in zip(groups, param_axes)],
-            douter=[_stage_split(jnp.zeros((s_, *a.shape), a.dtype)) for a in pick(last_used)],
-            loss=jnp.zeros((s_,), jnp.float32),
-            ys=(jax.tree.map(lambda y: jnp.zeros(y.shape, jnp.float32), out_shape[1]) if has_ys else None),
+
+        def add(acc, used, grads):
+            return {**acc, **{i: acc[i] + g.astype(acc[i].dtype) for i, g in zip(used, grads)}}
+
+        c = dict(
+            fwd=jnp.zeros(x0.shape, x0.dtype), bwd=jnp.zeros(x0.shape, x0.dtype),
+            stash=jnp.zeros((k_, *x0.shape), x0.dtype), dins=jnp.zeros((m_, *x0.shape), x0.dtype),
+            dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves],
+            douter={i: jnp.zeros(o_leaves[i].shape, o_leaves[i].dtype) for i in outer_used},
+            loss=jnp.zeros((), jnp.float32),
+            ys=(jax.tree.map(lambda y: jnp.zeros(y.shape, jnp.float32), ys_shape) if has_ys else None),
         )
-        stage_ids = jnp.arange(s_)
-        fwd_shift, bwd_shift = _shift(s_, 1), _shift(s_, -1)
 
-        def tick(t, group, s, c, do_f: bool, do_b: bool):
-            """One iteration of stage ``s`` (under the stage vmap): a forward and/or a backward."""
-            c = dict(c)
-            y = dx = None
-            if do_f:
-                f = t - s
-                f_ok = (f >= 0) & (f < m_)
-                fm = jnp.clip(f, 0, m_ - 1)
+        def forward(t, c):
+            """Microbatch t - s into the stage (stage 0 embeds it), its input stashed for the backward."""
+            fm = jnp.clip(t - s, 0, m_ - 1)
 
-                def forward(c):
-                    c = dict(c)
-                    x = jnp.where(s == 0, first_fn(outer_, toks[fm]), c["fwd"])
-                    y, ys = stage(group, x) if has_ys else (stage(group, x), None)
-                    c["stash"] = _put(c["stash"], x, fm % k_, f_ok)
-                    if has_ys:
-                        c["ys"] = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0),
-                                               c["ys"], ys)
-                    return c, y
-
-                # the last S - 1 iterations have no forward left: skip it (t is the same on every stage)
-                c, y = jax.lax.cond(t < m_ + s_ - 1, forward, lambda c: (c, jnp.zeros(x0.shape, x0.dtype)), c)
-            if do_b:
-                bm = t - 2 * (s_ - 1) + s
-                b_ok = (bm >= 0) & (bm < m_)
-                bmm = jnp.clip(bm, 0, m_ - 1)
-                if do_f:  # the last stage: loss and gradients of the microbatch it just finished
-                    loss, loss_vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
-                                             pick(last_used), y)
-                    d_last, dy = loss_vjp(jnp.ones((), loss.dtype) / m_)
-                    last_ok = (s == s_ - 1) & b_ok
-                    c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
-                    c["douter"] = [a + jnp.where(last_ok, d, 0).astype(a.dtype) for a, d in zip(c["douter"], d_last)]
-                    g = jnp.where(s == s_ - 1, dy.astype(x0.dtype), c["bwd"])
-                else:
-                    g = c["bwd"]
-                x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
-                _, pullback = jax.vjp(stage, group, x)  # the stage's forward again, keeping what the remat policy keeps
+            def run(c):
+                c = dict(c)
+                x = _when(s == 0, lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype), lambda c: c["fwd"], c)
+                x = constrain(x, act)
+                y, ys = stage(p_leaves, x) if has_ys else (stage(p_leaves, x), None)
+                c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, fm % k_, 0)
                 if has_ys:
-                    ys_shape = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape[1:], o.dtype), out_shape[1])
-                    dgroup, dx = pullback((g, ys_cotangent(ys_shape)))
+                    c["ys"] = jax.tree.map(lambda a, v: a + v.astype(jnp.float32) / m_, c["ys"], ys)
+                return c, y.astype(x0.dtype)
+
+            return _when((t - s >= 0) & (t - s < m_), run, lambda c: (c, c["fwd"]), c)
+
+        def backward(t, c, y):
+            """Microbatch t - 2(S-1) + s back through the stage: the last stage starts it from the loss
+            of ``y`` (its forward of this iteration), stage 0 ends it in the embedding's gradient."""
+            bm = t - 2 * (s_ - 1) + s
+            bmm = jnp.clip(bm, 0, m_ - 1)
+
+            def run(c):
+                c = dict(c)
+                if y is None:  # no forward this iteration: not the last stage's turn
+                    g = c["bwd"]
                 else:
-                    dgroup, dx = pullback(g)
-                c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
-                dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
-                c["dins"] = _put(c["dins"], dx, bmm, b_ok)
-            return c, y, dx
+                    def loss_grad(c):
+                        loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
+                                            [o_leaves[i] for i in last_used], y)
+                        d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
+                        c = dict(c, loss=c["loss"] + loss.astype(jnp.float32) / m_)
+                        return dict(c, douter=add(c["douter"], last_used, d_last)), dy.astype(x0.dtype)
+
+                    c, g = _when(s == s_ - 1, loss_grad, lambda c: (c, c["bwd"]), c)
+                x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
+                out, pullback = jax.vjp(stage, p_leaves, x)  # the stage's forward again (its remat policy)
+                if has_ys:
+                    dgroup, dx = pullback((constrain(g, act), ys_cotangent(out[1])))
+                else:
+                    dgroup, dx = pullback(constrain(g, act))
+                c["dgroups"] = [a + d.astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
+                dx = dx.astype(x0.dtype)
+                # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
+                # reduction over the batch axes would run once per microbatch); used on stage 0 only
+                c["dins"] = jax.lax.dynamic_update_index_in_dim(c["dins"], dx, bmm, 0)
+                return c, dx
+
+            return _when((bm >= 0) & (bm < m_), run, lambda c: (c, c["bwd"]), c)
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
             """Iterations ``first .. last - 1``; each shifts what it computed to the next stage."""
             def iteration(c, t):
-                c, y, dx = jax.vmap(tick, in_axes=(None, 0, 0, 0, None, None), spmd_axis_name="pipe")(
-                    t, groups, stage_ids, c, do_f, do_b)
-                c = dict(c, stash=constrain(c["stash"], per_mb))
-                if do_b:
-                    c["dins"] = constrain(c["dins"], per_mb)
-                if do_f and do_b:
-                    c["douter"] = [_stage_split(a) for a in c["douter"]]
+                y = dx = None
                 if do_f:
-                    c["fwd"] = constrain(fwd_shift(constrain(y, act)), act)
+                    c, y = forward(t, c)
                 if do_b:
-                    c["bwd"] = constrain(bwd_shift(constrain(dx, act)), act)
+                    c, dx = backward(t, c, y)
+                c = dict(c, stash=constrain(c["stash"], (None, *act)), dins=constrain(c["dins"], (None, *act)))
+                if do_f:
+                    c["fwd"] = constrain(jax.lax.ppermute(constrain(y, act), "pipe", fwd_perm), act)
+                if do_b:
+                    c["bwd"] = constrain(jax.lax.ppermute(constrain(dx, act), "pipe", bwd_perm), act)
                 return c, None
 
             return jax.lax.scan(iteration, c, jnp.arange(first, last))[0]
 
-        # warm-up (S - 1 iterations): forwards only; then one forward and one backward per iteration, the
-        # forward skipped in the last S - 1 (cool-down). A third loop for the cool-down would send S - 1
-        # fewer activations but, on XLA:CPU, give its body its own temporaries (+18 MiB on the MaxText layout).
-        c = dict(carry)
-        c.update(phase({k: carry[k] for k in ("fwd", "stash", "ys")}, 0, s_ - 1, True, False))
-        c = phase(c, s_ - 1, m_ + 2 * (s_ - 1), True, True)
+        c = phase(c, 0, s_ - 1, True, False)  # warm-up: forwards only
+        c = phase(c, s_ - 1, m_ + s_ - 1, True, True)
+        c = phase(c, m_ + s_ - 1, m_ + 2 * (s_ - 1), False, True)  # cool-down: backwards only
 
-        def batch_of(a):  # [M, B/M, ...] of one stage -> [B, ...] in the batch's row order
-            return constrain(a.swapaxes(0, 1).reshape(b, *a.shape[2:]), ("batch", "res_length", "act_embed"))
+        def embed_grads(douter):  # stage 0: the embedding's weight gradients, over the whole batch at once
+            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), batch_of(toks)),
+                             [o_leaves[i] for i in first_used])
+            return add(douter, first_used, vjp(batch_of(c["dins"]))[0])
 
-        # the embedding's weight gradient, once over the whole batch; the head's, summed over the stages
-        loss = jnp.sum(c["loss"])
-        d_last = [jnp.sum(a, axis=0) for a in c["douter"]]
-        _, first_vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), tokens), pick(first_used))
-        (d_first,) = first_vjp(batch_of(c["dins"][0]))
-        grads_outer = [jnp.zeros_like(a) for a in outer_leaves]
-        for used, part in ((last_used, d_last), (first_used, d_first)):
-            for i, g in zip(used, part):
-                grads_outer[i] = grads_outer[i] + g.astype(grads_outer[i].dtype)
-        ys = None
-        if has_ys:  # [S, layers per stage, ...] -> [L, ...]
-            ys = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["ys"])
+        douter = _when(s == 0, embed_grads, lambda d: d, c["douter"])
+        # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
+        # over pipe once (zeros elsewhere)
+        douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
+        return jax.lax.psum(c["loss"], "pipe"), douter, c["dgroups"], c["ys"]
+
+    def run(p_leaves, o_leaves, tokens, targets):
+        stage_spec = [P("pipe")] * len(p_leaves)
+        ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
+
+        def body(p_leaves, o_leaves, toks, tgts):
+            with use_rules(rules.manual_pipe()):
+                return local(p_leaves, o_leaves, toks, tgts)
+
+        fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(o_leaves), P(), P()),
+                           out_specs=(P(), {i: P() for i in outer_used}, stage_spec, ys_spec),
+                           axis_names={"pipe"}, check_vma=False)
+        loss, douter, dparams, ys = fn(p_leaves, o_leaves, split_mb(tokens), split_mb(targets))
+        grads_outer = [douter[i].astype(a.dtype) if i in douter else jnp.zeros_like(a)
+                       for i, a in enumerate(o_leaves)]
+        if has_ys:
             loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
-        dparams = [d.astype(dt) for d, dt in zip(unstaged(c["dgroups"]), dtypes)]
+        dparams = [d.astype(a.dtype) for d, a in zip(dparams, p_leaves)]
         return (loss, ys), (dparams, grads_outer)
 
     @jax.custom_vjp
@@ -411,6 +414,31 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     f.defvjp(run, f_bwd)  # the forward computes the loss and the gradients, kept as residuals
     loss, ys = f(leaves, outer_leaves, tokens, targets)
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
+
+
+def _when(pred, fn, skip, operand):
+    """``lax.cond(pred, fn, skip, operand)`` on each device for itself (inside a ``shard_map`` manual over
+    ``pipe``), unless ``fn`` holds a point-to-point collective (a ``ppermute``, e.g. ring attention's over
+    ``seq``): the runtime pairs the instances of such an op over all devices it names, so it must not run
+    on some stages only (XLA:CPU then mixes up data of different iterations). Such a ``fn`` runs
+    everywhere, and its result is selected."""
+    if _has_ppermute(jax.make_jaxpr(fn)(operand).jaxpr):
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
+    return jax.lax.cond(pred, fn, skip, operand)
+
+
+def _has_ppermute(jaxpr) -> bool:
+    def subs(v):
+        if hasattr(v, "eqns"):
+            yield v
+        elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):  # a ClosedJaxpr
+            yield v.jaxpr
+        elif isinstance(v, (tuple, list)):
+            for u in v:
+                yield from subs(u)
+
+    return any(e.primitive.name == "ppermute" or any(_has_ppermute(j) for v in e.params.values() for j in subs(v))
+               for e in jaxpr.eqns)
 
 
 def schedule_1f1b(stages: int, microbatches: int) -> list[list[tuple[tuple[str, int], ...]]]:
