@@ -35,7 +35,7 @@ from flax import nnx
 from jaxpar.config import MoEConfig, ModelConfig
 from jaxpar.layers import MoE, balance_bias
 from jaxpar.partitioning import constrain
-from jaxpar.layers.stack import Stack, one_f_one_b_active
+from jaxpar.layers.stack import Stack, loss_in_pipeline
 from jaxpar.models.gpt import DTYPES, GPT, Block, ordered
 
 
@@ -101,7 +101,7 @@ class MoETransformer(GPT):
     def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
         """Cross-entropy plus the weighted router losses; metrics as in the module docstring."""
         m = self.moe_cfg
-        if one_f_one_b_active():  # the router losses join the loss inside the schedule; stats are for metrics
+        if loss_in_pipeline():  # the router losses join the loss inside the pipeline; stats are for metrics
             total, stats = self.pipelined_loss(*ordered(tokens, targets), {"aux_loss": m.aux_loss_weight,
                                                                            "z_loss": m.z_loss_weight})
             assert stats is not None

@@ -15,27 +15,34 @@ the last stage the ring shift takes it to stage 0, which holds it until t = (r+1
 M*R + S - 1 iterations, bubble (S-1)/(M*R+S-1). Storage is stage-major: position p of the stacked
 layer dim holds layer :func:`stage_major_order` [p], so that each device's groups are contiguous.
 
-The last stage files its outputs in its own slots of a per-stage buffer (a local write); after the
-loop the buffers, all but the last stage's zeroed, are summed over ``pipe`` once into the caller's
-layout (a reduce-scatter when the batch is split over ``pipe`` there); every stage holds a copy of
-the input microbatches, so that the input's gradient is summed over ``pipe`` once: nothing but the
-stage shifts crosses ``pipe`` per iteration. Bubble iterations compute on zeros (their results are
-never used; a ``cond`` on the stage under the stage ``vmap`` would lower to a select running both
-branches): the compiled flops of the pipelined layers are (M*R+S-1)/(M*R) times those of the plain
-stack. The backward is the scan's gradient; what each layer keeps for it is the stage function's
-business (the model applies its ``model.remat`` policy per layer inside the stage, as it does
-without a pipeline; the stage selects an iteration's layer group itself, so that no per-iteration
-copy of its weights is kept). The embedding, final norm and head run outside the stages, on the
-batch split over ``pipe`` as well when M is a multiple of S
-(:meth:`~jaxpar.partitioning.RuleSet.inside_stages`: the pipeline runs under rules whose ``batch``
-leaves ``pipe`` to the stage dim).
+Training (:func:`pipeline_loss`: GPipe and circular; :func:`one_f_one_b`) runs the schedule in a
+``jax.shard_map`` manual over ``pipe`` (every other mesh axis stays the compiler's; the layers see
+:meth:`~jaxpar.partitioning.RuleSet.manual_pipe` rules, whose names leave ``pipe`` out), so that each
+device runs its own stage and decides for itself in a ``lax.cond``: the embedding runs on the first
+stage, the final norm, head and loss on the last, and under 1F1B a stage in the bubble skips its
+work (GPipe / circular compute on zeros there: see :func:`pipeline_loss`). What
+crosses ``pipe``: the stage shifts (a ``ppermute`` of one microbatch's activations forward per
+iteration, and of its gradient backward), and once per step the embedding's / head's gradients and
+the loss summed over the stages (each nonzero on one stage only); never the batch or a stage's
+weights. A stage whose layers hold a ``ppermute`` of their own (ring attention's over ``seq``) runs
+them in every iteration and selects the result (:func:`_when`). The GPipe / circular backward is
+the scan's gradient; what each layer keeps for it is the stage function's business (the model
+applies its ``model.remat`` policy per layer inside the stage, as it does without a pipeline; the
+stage selects an iteration's layer group itself, so that no per-iteration copy of its weights is
+kept).
 
-1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the embedding and the loss inside the
-schedule, the stage inputs of at most 2S - 1 microbatches held per stage. Long by design: the three
-schedules share their shifts, buffers and schedule grids here.
+The forward alone (:func:`pipeline`, for logits and generation: ``Stack.__call__``) runs the stages
+under a ``vmap`` over the stage dim (spmd axis ``pipe``) on the caller's activations: bubble
+iterations compute on zeros there, and the last stage's outputs are summed over ``pipe`` once.
+
+1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the stage inputs of at most 2S - 1
+microbatches held per stage. Long by design: the schedules share their shifts, buffers and
+schedule grids here.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,12 +81,11 @@ def _shift(stages: int, step: int, ring: bool = False):
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
              outputs: bool = False, param_axes: list[tuple] | None = None):
-    """See :func:`_pipeline` (which runs under the rules inside the stages); ``x`` and the result are
-    in the caller's layout (e.g. the batch also split over ``pipe``)."""
-    outer = _rules()
-    with use_rules(outer.inside_stages()):
-        out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
-                        outputs=outputs, param_axes=param_axes)
+    """The stack's output for ``x`` (see :func:`_pipeline`): the last stage's, summed over ``pipe`` once
+    (the others' zeroed). For a forward only (logits, generation); the training loss runs the
+    embedding and the head inside the pipeline (:func:`pipeline_loss`, :func:`one_f_one_b`)."""
+    out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
+                    outputs=outputs, param_axes=param_axes)
     y, ys = out if outputs else (out, None)
     y = constrain(jnp.sum(y, axis=0).swapaxes(0, 1).reshape(x.shape), ("batch", "res_length", "act_embed"))
     return (y, ys) if outputs else y
@@ -166,6 +172,114 @@ def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micr
     return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
 
 
+def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
+                  stages: int, repeats: int, microbatches: int, ys_weights=None):
+    """The loss of a pipelined model under GPipe (``repeats`` = 1) or the circular schedule, the
+    embedding and the loss inside the pipeline; its gradient is JAX's (the scan's transpose).
+
+    Arguments as :func:`one_f_one_b` (``params`` leaves ``[L, ...]`` in storage order, stage-major when
+    ``repeats`` > 1: :func:`stage_major_order`); returns ``(loss, ys)``, ``ys`` the per-layer outputs
+    averaged over microbatches, in storage order (None without ``ys_weights``).
+
+    The schedule of :func:`schedule`, in a ``shard_map`` manual over ``pipe`` (as :func:`one_f_one_b`):
+    stage 0 embeds the whole batch once before the loop and the last stage files the microbatches it
+    finishes, whose loss it computes once after the loop (one weight gradient for the embedding and
+    one for the head per step, each on its own stage, summed over ``pipe`` by the ``shard_map``'s
+    transpose). A stage in the bubble computes on zeros (its results are never used): under a
+    ``lax.cond`` the scan's gradient would keep what the branch reads, the stage's weights included, as
+    a residual of every iteration (measured: 4.0 -> 6.4 MiB per device on the planner's ``data=4 x
+    pipe=2`` layout), as JAX does not see through the ``cond`` that they are loop-invariant. With R > 1 a
+    microbatch leaving the last stage goes round the ring to stage 0, which holds it until its next
+    repeat (t = (r+1) M + m; needs M >= S). What crosses ``pipe``: one ``ppermute`` of a microbatch's
+    activations per iteration (M R + S - 1) and its transpose in the backward, and the embedding /
+    head gradients and the loss summed over stages once.
+    """
+    s_, r_, m_ = stages, repeats, microbatches
+    b = tokens.shape[0]
+    mb = b // m_
+    rules = _rules()
+    leaves, treedef = jax.tree.flatten(params)
+    outer_leaves, outer_def = jax.tree.flatten(outer)
+    lg = leaves[0].shape[0] // (s_ * r_)  # layers per group
+    has_ys = ys_weights is not None
+    act = ("batch", "res_length", "act_embed")
+    x0 = jax.eval_shape(first_fn, outer, tokens[:mb])
+
+    def run_group(group_leaves, x, repeat):  # the stage's layer group of this repeat
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(repeat * lg, lg))
+
+    group = [jax.ShapeDtypeStruct((r_ * lg, *a.shape[1:]), a.dtype) for a in leaves]
+    ys_shape = None
+    if has_ys:
+        ys_shape = jax.eval_shape(lambda g, x: run_group(g, x, 0), group, x0)[1]
+    perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
+    when = functools.partial(_when, lockstep=_lockstep(lambda g, x: run_group(g, x, 0), group, x0))
+
+    def local(p_leaves, o_leaves, toks, tgts):
+        """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
+        s = jax.lax.axis_index("pipe")
+        outer_ = jax.tree.unflatten(outer_def, o_leaves)
+        # one buffer of M microbatch slots per stage: on stage 0 the embedded batch (embedded once, before the
+        # loop) and, with R > 1, the microbatches waiting there for their next repeat; on the last stage the
+        # outputs of the last repeat, for the loss after the loop
+        buf = when(s == 0, lambda o: _split_mb(first_fn(o, toks).astype(x0.dtype), m_, act),
+                   lambda o: jnp.zeros((m_, *x0.shape), x0.dtype), outer_)
+        c = dict(state=jnp.zeros(x0.shape, x0.dtype), buf=buf,
+                 ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None))
+
+        def iteration(c, t):
+            c = dict(c)
+            k = t - s  # (repeat, microbatch) k // M, k % M; none (bubble) outside [0, M R)
+            ok = (k >= 0) & (k < m_ * r_)
+            repeat = jnp.clip(k // m_, 0, r_ - 1)
+            x = c["state"]
+            if r_ > 1:  # stage 0 files what comes round the ring (from iteration t - S of the last stage)
+                c["buf"] = _put(c["buf"], x, (t - s_) % m_, (s == 0) & (t >= s_))
+            x = constrain(jnp.where(s == 0, c["buf"][t % m_], x), act)
+
+            # bubble iterations too (on zeros; their results are never used: see the docstring)
+            y = run_group(p_leaves, x, repeat)
+            y, ys = y if has_ys else (y, None)
+            if has_ys:
+                c["ys"] = jax.tree.map(lambda a, v: _put(a, a[repeat] + v.astype(jnp.float32) / m_, repeat, ok),
+                                       c["ys"], ys)
+            y = constrain(y.astype(x0.dtype), act)
+            # the last stage files the microbatches of the last repeat (a local write)
+            c["buf"] = _put(c["buf"], y, k % m_, (s == s_ - 1) & ok & (k >= m_ * (r_ - 1)))
+            c["state"] = constrain(jax.lax.ppermute(y, "pipe", perm), act)
+            return c, None
+
+        c, _ = jax.lax.scan(iteration, c, jnp.arange(m_ * r_ + s_ - 1))
+        loss = when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
+                     lambda o: jnp.zeros((), jnp.float32), outer_)
+        ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
+        return loss[None], ys
+
+    def body(p_leaves, o_leaves, toks, tgts):
+        with use_rules(rules.manual_pipe()):
+            return local(p_leaves, o_leaves, toks, tgts)
+
+    stage_spec = [P("pipe")] * len(leaves)
+    ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
+    fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(outer_leaves), P(), P()),
+                       out_specs=(P("pipe"), ys_spec), axis_names={"pipe"}, check_vma=False)
+    losses, ys = fn(leaves, outer_leaves, tokens, targets)
+    loss = jnp.sum(losses)  # the last stage's (zeros elsewhere)
+    if has_ys:
+        loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
+    return loss, ys
+
+
+def _split_mb(a: jax.Array, m_: int, names) -> jax.Array:
+    """``[B, ...] -> [M, B/M, ...]``: microbatch m = rows m, m+M, ... (each stays split over the batch axes)."""
+    return constrain(a.reshape(a.shape[0] // m_, m_, *a.shape[1:]).swapaxes(0, 1), (None, *names))
+
+
+def _batch_of(a: jax.Array, b: int, names) -> jax.Array:
+    """``[M, B/M, ...] -> [B, ...]`` in the batch's row order (undoes :func:`_split_mb`)."""
+    return constrain(a.swapaxes(0, 1).reshape(b, *a.shape[2:]), names)
+
+
 def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[int, int] | None]]:
     """``grid[s][t]``: the (microbatch, repeat) stage s works on at iteration t, or None (bubble).
 
@@ -204,13 +318,13 @@ def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
 
 
 def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
-                stages: int, microbatches: int, param_axes: list[tuple], primal, ys_weights=None):
+                stages: int, microbatches: int, primal, ys_weights=None):
     """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
 
     ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
     layers; ``(y_mb, ys)`` with per-layer outputs when ``ys_weights`` is given) and
     ``last_fn(outer, y_mb, targets_mb) -> loss_mb`` (head and mean loss of one microbatch). ``params``
-    leaves are ``[L, ...]`` (layer order, split over ``pipe``; ``param_axes`` their logical names),
+    leaves are ``[L, ...]`` (layer order, split over ``pipe``),
     ``outer`` the weights of ``first_fn`` / ``last_fn`` (shared: a tied embedding is one weight).
 
     Returns ``(loss, ys)``: the mean over microbatches of ``last_fn`` plus, with ``ys_weights`` (a dict
@@ -251,9 +365,6 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     n_local = leaves[0].shape[0] // s_
     has_ys = ys_weights is not None
 
-    def split_mb(a):  # microbatch m = rows m, m+M, ... (stays split over the batch axes)
-        return constrain(a.reshape(mb, m_, *a.shape[1:]).swapaxes(0, 1), (None, "batch", "length"))
-
     def stage(group_leaves, x):  # the stage's layers, each selected inside its remat (see `pipeline`)
         return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(0, n_local))
 
@@ -265,15 +376,11 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), targets[:mb])
     outer_used = sorted(set(first_used) | set(last_used))
     act = ("batch", "res_length", "act_embed")
-    ys_shape = None  # a stage's per-layer outputs
-    if has_ys:
-        group = [jax.ShapeDtypeStruct((n_local, *a.shape[1:]), a.dtype) for a in leaves]
-        ys_shape = jax.eval_shape(stage, group, x0)[1]
+    group = [jax.ShapeDtypeStruct((n_local, *a.shape[1:]), a.dtype) for a in leaves]
+    ys_shape = jax.eval_shape(stage, group, x0)[1] if has_ys else None  # a stage's per-layer outputs
+    when = functools.partial(_when, lockstep=_lockstep(stage, group, x0))
     fwd_perm = [(s, s + 1) for s in range(s_ - 1)]
 
-    def batch_of(a):  # [M, B/M, ...] -> [B, ...] in the batch's row order (undoes split_mb)
-        names = ("batch", "length") if a.ndim == 3 else ("batch", "res_length", "act_embed")
-        return constrain(a.swapaxes(0, 1).reshape(b, *a.shape[2:]), names)
 
     bwd_perm = [(s + 1, s) for s in range(s_ - 1)]
 
@@ -306,7 +413,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
 
             def run(c):
                 c = dict(c)
-                x = _when(s == 0, lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype), lambda c: c["fwd"], c)
+                x = when(s == 0, lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype), lambda c: c["fwd"], c)
                 x = constrain(x, act)
                 y, ys = stage(p_leaves, x) if has_ys else (stage(p_leaves, x), None)
                 c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, fm % k_, 0)
@@ -314,7 +421,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                     c["ys"] = jax.tree.map(lambda a, v: a + v.astype(jnp.float32) / m_, c["ys"], ys)
                 return c, y.astype(x0.dtype)
 
-            return _when((t - s >= 0) & (t - s < m_), run, lambda c: (c, c["fwd"]), c)
+            return when((t - s >= 0) & (t - s < m_), run, lambda c: (c, c["fwd"]), c)
 
         def backward(t, c, y):
             """Microbatch t - 2(S-1) + s back through the stage: the last stage starts it from the loss
@@ -334,7 +441,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                         c = dict(c, loss=c["loss"] + loss.astype(jnp.float32) / m_)
                         return dict(c, douter=add(c["douter"], last_used, d_last)), dy.astype(x0.dtype)
 
-                    c, g = _when(s == s_ - 1, loss_grad, lambda c: (c, c["bwd"]), c)
+                    c, g = when(s == s_ - 1, loss_grad, lambda c: (c, c["bwd"]), c)
                 x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
                 out, pullback = jax.vjp(stage, p_leaves, x)  # the stage's forward again (its remat policy)
                 if has_ys:
@@ -348,7 +455,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                 c["dins"] = jax.lax.dynamic_update_index_in_dim(c["dins"], dx, bmm, 0)
                 return c, dx
 
-            return _when((bm >= 0) & (bm < m_), run, lambda c: (c, c["bwd"]), c)
+            return when((bm >= 0) & (bm < m_), run, lambda c: (c, c["bwd"]), c)
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
             """Iterations ``first .. last - 1``; each shifts what it computed to the next stage."""
@@ -372,11 +479,11 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         c = phase(c, m_ + s_ - 1, m_ + 2 * (s_ - 1), False, True)  # cool-down: backwards only
 
         def embed_grads(douter):  # stage 0: the embedding's weight gradients, over the whole batch at once
-            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), batch_of(toks)),
+            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), _batch_of(toks, b, ("batch", "length"))),
                              [o_leaves[i] for i in first_used])
-            return add(douter, first_used, vjp(batch_of(c["dins"]))[0])
+            return add(douter, first_used, vjp(_batch_of(c["dins"], b, act))[0])
 
-        douter = _when(s == 0, embed_grads, lambda d: d, c["douter"])
+        douter = when(s == 0, embed_grads, lambda d: d, c["douter"])
         # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
         # over pipe once (zeros elsewhere)
         douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
@@ -393,7 +500,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(o_leaves), P(), P()),
                            out_specs=(P(), {i: P() for i in outer_used}, stage_spec, ys_spec),
                            axis_names={"pipe"}, check_vma=False)
-        loss, douter, dparams, ys = fn(p_leaves, o_leaves, split_mb(tokens), split_mb(targets))
+        tok = ("batch", "length")
+        loss, douter, dparams, ys = fn(p_leaves, o_leaves, _split_mb(tokens, m_, tok), _split_mb(targets, m_, tok))
         grads_outer = [douter[i].astype(a.dtype) if i in douter else jnp.zeros_like(a)
                        for i, a in enumerate(o_leaves)]
         if has_ys:
@@ -416,15 +524,21 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
 
 
-def _when(pred, fn, skip, operand):
-    """``lax.cond(pred, fn, skip, operand)`` on each device for itself (inside a ``shard_map`` manual over
-    ``pipe``), unless ``fn`` holds a point-to-point collective (a ``ppermute``, e.g. ring attention's over
-    ``seq``): the runtime pairs the instances of such an op over all devices it names, so it must not run
-    on some stages only (XLA:CPU then mixes up data of different iterations). Such a ``fn`` runs
-    everywhere, and its result is selected."""
-    if _has_ppermute(jax.make_jaxpr(fn)(operand).jaxpr):
+def _when(pred, fn, skip, operand, *, lockstep: bool):
+    """``lax.cond(pred, fn, skip, operand)``: each device decides for itself (inside a ``shard_map``
+    manual over ``pipe``). With ``lockstep`` (the stage holds a point-to-point collective of its own, a
+    ``ppermute`` such as ring attention's over ``seq``) both run on every device and the result is
+    selected, so that every device runs the same sequence of collectives, as under a ``vmap``: XLA:CPU
+    pairs the instances of a collective-permute over all the devices it names, and one run on some
+    stages only mixed up data of different iterations (wrong numbers; measured)."""
+    if lockstep:
         return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
     return jax.lax.cond(pred, fn, skip, operand)
+
+
+def _lockstep(fn, *args) -> bool:
+    """Whether ``fn(*args)`` (shapes suffice) holds a ``ppermute``: see :func:`_when`."""
+    return _has_ppermute(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def _has_ppermute(jaxpr) -> bool:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.layers.pipeline import one_f_one_b, pipeline, stage_major_order
+from jaxpar.layers.pipeline import one_f_one_b, pipeline, pipeline_loss, stage_major_order
 from jaxpar.layers.remat import remat as rematerialise
 from jaxpar.layers.remat import select_remat
 from jaxpar.partitioning import active_rules
@@ -43,11 +43,11 @@ def storage_order(n: int, stages: int, repeats: int) -> np.ndarray:
     return np.asarray(stage_major_order(n, stages, repeats))
 
 
-def one_f_one_b_active() -> bool:
-    """Whether the active layout trains its layer stack with the 1F1B pipeline schedule."""
+def loss_in_pipeline() -> bool:
+    """Whether the active layout trains its layer stack in a pipeline (``pipe`` > 1): the model's loss
+    then goes through :meth:`Stack.loss`, which runs the embedding and the head inside it too."""
     rules = active_rules()
-    return (rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
-            and rules.parallel.pipeline_schedule == "1f1b")
+    return rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
 
 
 def leaf_axes(state) -> list[tuple]:
@@ -122,31 +122,30 @@ class Stack:
 
     def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
              weights: dict | None = None) -> tuple[jax.Array, dict | None]:
-        """The model's loss with the stack in between, under the 1F1B schedule (needs ``pipe > 1``):
-        ``first_fn(outer, tokens) -> x`` (the embedding), the stack (``*args`` passed to each layer),
-        ``last_fn(outer, h, targets) -> mean loss`` (final norm, head, loss); ``outer`` the weights of
-        both (a pytree, e.g. ``nnx.split`` state). With ``weights`` (a dict over the layers' outputs,
-        which then need ``outputs=True``) the loss adds ``sum weight x sum over layers``. Returns
-        ``(loss, outputs)``: the per-layer outputs averaged over microbatches (for metrics; None
-        without ``weights``). See :func:`~jaxpar.layers.pipeline.one_f_one_b`."""
+        """The model's loss with the stack in between, in the layout's pipeline (needs ``pipe > 1``):
+        ``first_fn(outer, tokens) -> x`` (the embedding, run on the first stage), the stack (``*args``
+        passed to each layer), ``last_fn(outer, h, targets) -> mean loss`` (final norm, head, loss: run
+        on the last stage); ``outer`` the weights of both (a pytree, e.g. ``nnx.split`` state). With
+        ``weights`` (a dict over the layers' outputs, which then need ``outputs=True``) the loss adds
+        ``sum weight x sum over layers``. Returns ``(loss, outputs)``: the per-layer outputs averaged
+        over microbatches (for metrics; None without ``weights``). GPipe and circular:
+        :func:`~jaxpar.layers.pipeline.pipeline_loss`; 1F1B: :func:`~jaxpar.layers.pipeline.one_f_one_b`."""
         pipe = self._stages()
-        if pipe is None or pipe[1] != 1:
-            raise ValueError("Stack.loss is the 1F1B schedule: it needs parallel.pipe > 1 and pipeline_repeats=1")
-        s_, _, m_ = pipe
+        if pipe is None:
+            raise ValueError("Stack.loss runs the stack in a pipeline: it needs parallel.pipe > 1")
+        s_, r_, m_ = pipe
         graphdef, state = nnx.split(self.layers)
         stage_fn = self._stage_fn(graphdef, args)
-        axes = leaf_axes(state)
-
-        def primal(p, o, tok, tgt):  # the GPipe forward: what the loss is without differentiation
-            h = pipeline(stage_fn, p, first_fn(o, tok), stages=s_, repeats=1, microbatches=m_, outputs=self.outputs,
-                         param_axes=axes)
-            h, ys = h if self.outputs else (h, None)
-            loss = last_fn(o, h, tgt)
-            if weights:
-                loss = loss + sum(w * jnp.sum(ys[k]) for k, w in weights.items())
-            return loss, ys
-
         if self.outputs and weights is None:
             weights = {}
+
+        def primal(p, o, tok, tgt):
+            return pipeline_loss(stage_fn, first_fn, last_fn, p, o, tok, tgt, stages=s_, repeats=r_, microbatches=m_,
+                                 ys_weights=weights)
+
+        rules = active_rules()
+        assert rules is not None and rules.parallel is not None  # _stages() checked them
+        if rules.parallel.pipeline_schedule != "1f1b":
+            return primal(state, outer, tokens, targets)
         return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
-                           param_axes=axes, primal=primal, ys_weights=weights)
+                           primal=primal, ys_weights=weights)
