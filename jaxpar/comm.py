@@ -23,12 +23,19 @@ tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward
                   Megatron-SP: per layer 2 all-gathers + 2 reduce-scatters forward and the same
                   backward; gradients of weights not split over tensor all-reduced over tensor
 pipe              GPipe / circular: per iteration (M R + S - 1 of them) one collective-permute of
-                  ``[rows, Tl, d]`` forward and one backward; every layer collective runs on each
-                  iteration (a bubble skips the work, but the compiled loop body holds it). 1F1B:
-                  2M + 2S - 2 permutes (warm-up and steady forwards, steady and cool-down backwards);
-                  a layer runs forward M + S - 1 times and again before each of its M + S - 1
-                  backwards. Both: the embedding runs on the first stage and the head / loss on the
-                  last, so their weights' gradients are summed over ``pipe`` once (all-reduce)
+                  ``[rows, Tl, d]`` forward and one backward; once per microstep the last stage's
+                  outputs summed over the stages and the input's gradient too (two all-reduces of
+                  the microstep's ``[rows, Tl, d]``; reduce-scatters on GPU / TPU when the batch is
+                  split over ``pipe`` outside the stages); every layer collective runs on each
+                  iteration, bubbles included (they compute on zeros). 1F1B: 2M + 3S - 3 permutes
+                  (warm-up and steady forwards, steady backwards), the embedding / head gradients
+                  summed over stages once (each nonzero on one stage); a
+                  layer runs forward M + 2S - 2 times and again before each of its M + S - 1 backwards.
+                  GPipe / circular with M a multiple of S split the batch over ``pipe`` outside the
+                  stages: two all-gathers of the microstep's ``[rows, Tl, d]`` (the embedding's output
+                  to the stages, the head's input gradient to the last stage), the embedding / head
+                  gradients reduced over ``pipe`` with the batch axes, the head / loss / lookup
+                  collectives on ``rows / S``
 expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward
 seq               all_gather: per layer K and V all-gathered forward, reduce-scattered backward;
                   ring: per layer N-1 hops of K and V each way; ulysses: 4 all-to-alls each way
@@ -62,6 +69,7 @@ from jaxpar.hlo import wire_bytes
 from jaxpar.layers.moe import expert_capacity
 from jaxpar.layers.remat import KEPT
 from jaxpar.mesh import AXES
+from jaxpar.partitioning import batch_over_pipe
 
 TOKEN_AXES = ("data", "expert", "seq")
 
@@ -136,19 +144,20 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # a layer runs `layer_runs` times per step on `layer_rows` sequences
     layer_rows = rows // mb_ if pipelined else rows
     layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
-    head_rows = rows
+    # GPipe / circular: the batch also split over pipe outside the stages (jaxpar.partitioning)
+    pipe_batch = batch_over_pipe(par, s_)
+    head_rows = rows / s_ if pipe_batch else rows
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
     fwd_runs = bwd_runs = layer_runs
-    if f1b:  # warm-up and steady-loop forwards, and the recompute of the stage for each backward (steady and
-        # cool-down loops); a bubble skips the work, but the compiled loop body holds it
+    if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the stage for its backward
         bwd_runs = k * (mb_ + s_ - 1) * (m.n_layers // s_)
-        fwd_runs = k * (mb_ + s_ - 1) * (m.n_layers // s_) + bwd_runs
+        fwd_runs = k * (mb_ + 2 * s_ - 2) * (m.n_layers // s_) + bwd_runs
     redo_runs = bwd_runs if remat != "none" else 0
     # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
     # (the loss in each steady iteration, the lookup in each forward)
-    head_runs = 1.0
-    lookup_runs = (mb_ + s_ - 1) / mb_ if f1b else 1.0
+    head_runs = (mb_ + s_ - 1) / mb_ if f1b else 1.0
+    lookup_runs = (mb_ + 2 * s_ - 2) / mb_ if f1b else 1.0
     terms: list[Term] = []
 
     def add(kind, axes, count, result, what):
@@ -163,15 +172,14 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         tied_table = tied and leaf.names == ("vocab", "embed")
         head = leaf.names in (("norm",), ("embed", "vocab")) or tied_table  # the final norm and the head
         leaf_axes = _spec_axes(leaf.compute)
-        red = tuple(a for a in big(TOKEN_AXES) if a not in leaf_axes)
+        red = tuple(a for a in big(TOKEN_AXES + (("pipe",) if pipe_batch and not leaf.stage else ()))
+                    if a not in leaf_axes)
         scatter = tuple(a for a in red if a in _spec_axes(leaf.opt))
         loops, local_iter = 1, local
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
             loops = k * (iters if leaf.stage and pipelined else 1)
-            if f1b and leaf.stage:  # accumulated in 1F1B's steady and cool-down loops
-                loops = k * (mb_ + s_ - 1)
-            elif f1b and head:  # accumulated in 1F1B's steady loop (a tied table: once more, for the
-                loops = k * (mb_ + tied_table)  # lookup's gradient after the loops)
+            if f1b and (leaf.stage or head):  # accumulated in 1F1B's steady loop (a tied table: once more,
+                loops = k * (mb_ + s_ - 1 + tied_table)  # for the lookup after it)
 
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
@@ -193,8 +201,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
-        if pipelined and not leaf.stage:  # the embedding's (first stage) and head's (last stage) gradients
-            add("all-reduce", ("pipe",), k, local, "embedding / head gradients summed over stages")
+        if f1b and not leaf.stage:  # the embedding's (first stage) and head's (last stage) gradients
+            add("all-reduce", ("pipe",), k, local, "1F1B embedding / head gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
         if zero3:  # ZeRO-3: a layer's weights gathered before each use, in every gradient-accumulation
             # microstep; the embedding's and head's gathers do not depend on the microstep, and XLA hoists
@@ -243,11 +251,14 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # -- pipeline --------------------------------------------------------------------------------------
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
-        if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady and cool-down
-            # loops (with S = 2 the cool-down is one iteration, whose shift nothing reads: XLA drops it)
-            add("collective-permute", ("pipe",), k * (2 * mb_ + 2 * s_ - 2 - (s_ == 2)), res, "1F1B stage shifts")
+        out = rows * tl * d * act_bytes / (sizes["tensor"] if par.megatron_sp else 1)  # a microstep's [rows, Tl, d]
+        if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
+            add("collective-permute", ("pipe",), k * (2 * mb_ + 3 * s_ - 3), res, "1F1B stage shifts")
         else:
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
+            add("all-reduce", ("pipe",), 2 * k, out, "outputs summed over stages; input gradient summed over stages")
+            if pipe_batch:
+                add("all-gather", ("pipe",), 2 * k, out, "embedding output to the stages; head input gradient")
 
     # -- expert parallelism ----------------------------------------------------------------------------
     if m.arch == "moe" and sizes["expert"] > 1:

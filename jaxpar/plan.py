@@ -32,9 +32,9 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   ``min(M, 2S - 1)`` microbatches and one microbatch's stage activations while its backward runs,
   and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
   and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a GPipe pipeline
-  runs the loss on the last stage, over the whole batch after its loop. The loss runs between the
-  layers' forward and backward: the total counts the larger of the logits and one layer's working
-  set, not both (1F1B: both).
+  with M a multiple of S runs the loss on ``1/S`` of the tokens per device (the batch split over
+  ``pipe`` outside the stages). The loss runs between the layers' forward and backward: the total
+  counts the larger of the logits and one layer's working set, not both (1F1B: both).
 * **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
   ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
@@ -242,6 +242,7 @@ class Planner:
 
         from jaxpar.layers.attention_ops import choose
         from jaxpar.layers.remat import KEPT
+        from jaxpar.partitioning import batch_over_pipe
 
         m, par, tr, e = cfg.model.resolved(), cfg.parallel, cfg.train, cfg.moe
         t, n = sizes["tensor"], sizes["seq"]
@@ -286,8 +287,8 @@ class Planner:
                    + micro * working + tokens * d) * ab
         elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
             act += 4 * tokens * d * ab
-        # 1F1B's loss runs per microbatch (in its steady loop); GPipe's on the whole batch, after its loop
-        head_tokens = micro if f1b else tokens
+        # 1F1B's loss runs per microbatch; GPipe's splits the batch over pipe when M is a multiple of S
+        head_tokens = micro if f1b else tokens / s_ if batch_over_pipe(par, s_) else tokens
         chunk = min(head_tokens, m.loss_chunk_tokens or head_tokens)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
         # the chunk's logits and their gradient, and the masked logits when the vocabulary is padded

@@ -15,34 +15,33 @@ the last stage the ring shift takes it to stage 0, which holds it until t = (r+1
 M*R + S - 1 iterations, bubble (S-1)/(M*R+S-1). Storage is stage-major: position p of the stacked
 layer dim holds layer :func:`stage_major_order` [p], so that each device's groups are contiguous.
 
-Training (:func:`pipeline_loss`: GPipe and circular; :func:`one_f_one_b`) runs the schedule in a
-``jax.shard_map`` manual over ``pipe`` (every other mesh axis stays the compiler's; the layers see
-:meth:`~jaxpar.partitioning.RuleSet.manual_pipe` rules, whose names leave ``pipe`` out), so that each
-device runs its own stage and decides for itself in a ``lax.cond``: the embedding runs on the first
-stage, the final norm, head and loss on the last, and under 1F1B a stage in the bubble skips its
-work (GPipe / circular compute on zeros there: see :func:`pipeline_loss`). What
-crosses ``pipe``: the stage shifts (a ``ppermute`` of one microbatch's activations forward per
-iteration, and of its gradient backward), and once per step the embedding's / head's gradients and
-the loss summed over the stages (each nonzero on one stage only); never the batch or a stage's
-weights. A stage whose layers hold a ``ppermute`` of their own (ring attention's over ``seq``) runs
-them in every iteration and selects the result (:func:`_when`). The GPipe / circular backward is
-the scan's gradient; what each layer keeps for it is the stage function's business (the model
-applies its ``model.remat`` policy per layer inside the stage, as it does without a pipeline; the
-stage selects an iteration's layer group itself, so that no per-iteration copy of its weights is
-kept).
+GPipe / circular training (:func:`pipeline`, the model's ``Stack.__call__``): the stages run under
+a ``vmap`` over the stage dim (spmd axis ``pipe``). The last stage files its outputs in its own
+slots of a per-stage buffer (a local write); after the loop the buffers, all but the last stage's
+zeroed, are summed over ``pipe`` once into the caller's layout (a reduce-scatter when the batch is
+split over ``pipe`` there); every stage holds a copy of the input microbatches, so that the input's
+gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per iteration.
+Bubble iterations compute on zeros. The backward is the scan's gradient; what each layer keeps for
+it is the stage function's business (the model applies its ``model.remat`` policy per layer inside
+the stage; the stage selects an iteration's layer group itself, so that no per-iteration copy of
+its weights is kept). The embedding, final norm and head run outside the stages, on the batch split
+over ``pipe`` as well when M is a multiple of S (:meth:`~jaxpar.partitioning.RuleSet.inside_stages`).
 
-The forward alone (:func:`pipeline`, for logits and generation: ``Stack.__call__``) runs the stages
-under a ``vmap`` over the stage dim (spmd axis ``pipe``) on the caller's activations: bubble
-iterations compute on zeros there, and the last stage's outputs are summed over ``pipe`` once.
-
-1F1B (:func:`one_f_one_b`): forwards and backwards interleaved, the stage inputs of at most 2S - 1
-microbatches held per stage. Long by design: the schedules share their shifts, buffers and
-schedule grids here.
+1F1B (:func:`one_f_one_b`, and its loss without differentiation, :func:`pipeline_loss`, which also
+serves ``Stack.loss`` under GPipe / circular) runs the schedule in a ``jax.shard_map`` manual over
+``pipe`` (every other mesh axis stays the compiler's; the layers see
+:meth:`~jaxpar.partitioning.RuleSet.manual_pipe` rules, whose names leave ``pipe`` out): each device
+holds its own stage and its own buffers, the embedding's result counts on the first stage only and
+the head's and loss's on the last only. What crosses ``pipe``: the stage shifts, and once per step
+the embedding's / head's gradients and the loss summed over the stages (each nonzero on one stage);
+never the batch or a stage's weights. Every device runs the same program, though: the embedding and
+the head are computed on every stage and selected, and bubble work runs on zeros (:func:`_when`:
+per-device control flow deadlocked XLA:CPU's collectives). Forwards and backwards interleave, the
+stage inputs of at most 2S - 1 microbatches held per stage. Long by design: the schedules share
+their shifts, buffers and schedule grids here.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -81,11 +80,12 @@ def _shift(stages: int, step: int, ring: bool = False):
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
              outputs: bool = False, param_axes: list[tuple] | None = None):
-    """The stack's output for ``x`` (see :func:`_pipeline`): the last stage's, summed over ``pipe`` once
-    (the others' zeroed). For a forward only (logits, generation); the training loss runs the
-    embedding and the head inside the pipeline (:func:`pipeline_loss`, :func:`one_f_one_b`)."""
-    out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
-                    outputs=outputs, param_axes=param_axes)
+    """See :func:`_pipeline` (which runs under the rules inside the stages); ``x`` and the result are
+    in the caller's layout (e.g. the batch also split over ``pipe``)."""
+    outer = _rules()
+    with use_rules(outer.inside_stages()):
+        out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
+                        outputs=outputs, param_axes=param_axes)
     y, ys = out if outputs else (out, None)
     y = constrain(jnp.sum(y, axis=0).swapaxes(0, 1).reshape(x.shape), ("batch", "res_length", "act_embed"))
     return (y, ys) if outputs else y
@@ -185,10 +185,10 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
     stage 0 embeds the whole batch once before the loop and the last stage files the microbatches it
     finishes, whose loss it computes once after the loop (one weight gradient for the embedding and
     one for the head per step, each on its own stage, summed over ``pipe`` by the ``shard_map``'s
-    transpose). A stage in the bubble computes on zeros (its results are never used): under a
-    ``lax.cond`` the scan's gradient would keep what the branch reads, the stage's weights included, as
-    a residual of every iteration (measured: 4.0 -> 6.4 MiB per device on the planner's ``data=4 x
-    pipe=2`` layout), as JAX does not see through the ``cond`` that they are loop-invariant. With R > 1 a
+    transpose). A stage in the bubble computes on zeros (its results are never used; see :func:`_when`;
+    a ``lax.cond`` would also make the scan's gradient keep what the branch reads, the stage's weights
+    included, as a residual of every iteration: 4.0 -> 6.4 MiB per device on the planner's ``data=4 x
+    pipe=2`` layout). With R > 1 a
     microbatch leaving the last stage goes round the ring to stage 0, which holds it until its next
     repeat (t = (r+1) M + m; needs M >= S). What crosses ``pipe``: one ``ppermute`` of a microbatch's
     activations per iteration (M R + S - 1) and its transpose in the backward, and the embedding /
@@ -213,7 +213,6 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
     if has_ys:
         ys_shape = jax.eval_shape(lambda g, x: run_group(g, x, 0), group, x0)[1]
     perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
-    when = functools.partial(_when, lockstep=_lockstep(lambda g, x: run_group(g, x, 0), group, x0))
 
     def local(p_leaves, o_leaves, toks, tgts):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
@@ -222,7 +221,7 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
         # one buffer of M microbatch slots per stage: on stage 0 the embedded batch (embedded once, before the
         # loop) and, with R > 1, the microbatches waiting there for their next repeat; on the last stage the
         # outputs of the last repeat, for the loss after the loop
-        buf = when(s == 0, lambda o: _split_mb(first_fn(o, toks).astype(x0.dtype), m_, act),
+        buf = _when(s == 0, lambda o: _split_mb(first_fn(o, toks).astype(x0.dtype), m_, act),
                    lambda o: jnp.zeros((m_, *x0.shape), x0.dtype), outer_)
         c = dict(state=jnp.zeros(x0.shape, x0.dtype), buf=buf,
                  ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None))
@@ -250,7 +249,7 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
             return c, None
 
         c, _ = jax.lax.scan(iteration, c, jnp.arange(m_ * r_ + s_ - 1))
-        loss = when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
+        loss = _when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
                      lambda o: jnp.zeros((), jnp.float32), outer_)
         ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
         return loss[None], ys
@@ -336,23 +335,24 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     ``custom_vjp`` whose forward computes the gradients, which its backward scales).
 
     Schedule (:func:`schedule_1f1b`): on iteration t stage s runs the forward of microbatch t - s and the
-    backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in three loops:
-    S - 1 warm-up iterations of forwards only, M of one forward and one backward, S - 1 of backwards
-    only. The last stage runs the loss of a microbatch and its gradient as soon as its forward is done,
-    so a stage keeps the inputs of at most 2S - 1 microbatches (:func:`stash_slots`): activation memory
-    O(S), not O(M) as GPipe's. A stage's backward runs its forward again from the stashed input
+    backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in two loops:
+    S - 1 warm-up iterations of forwards only, then one forward and one backward per iteration (the
+    forward skipped by a ``lax.cond`` on t, the same on every stage, in the last S - 1). The last stage
+    runs the loss of a microbatch and its gradient as soon as its forward is done, so a stage keeps the
+    inputs of at most 2S - 1 microbatches (:func:`stash_slots`): activation memory O(S), not O(M) as
+    GPipe's. A stage's backward runs its forward again from the stashed input
     (``jax.vjp``, so the layers' remat policy decides what that one microbatch keeps while its backward
     runs): the stage is rematerialised as a whole, as ``model.remat=full`` would. (Stashing the
     ``jax.vjp`` residuals instead would save that forward but copy the stage's weights into every slot:
     the linearisation of a scan over layers re-emits its stacked weights as residuals.)
 
     The schedule runs in a ``shard_map`` manual over ``pipe`` (every other axis stays the compiler's,
-    under :meth:`~jaxpar.partitioning.RuleSet.manual_pipe`), so each device decides for itself with a
-    ``lax.cond``: the embedding (forward and weight gradient) runs on the first stage only, the head
-    and loss on the last stage only, and a stage in the bubble (no forward or no backward this
-    iteration) skips that work. What crosses ``pipe``: one ``ppermute`` of a microbatch's activations
-    forward per iteration of the first two loops and one of its gradient backward per iteration of the
-    last two (2M + 2(S-1) in all, against the minimum 2M), and once per step the sum over stages of
+    under :meth:`~jaxpar.partitioning.RuleSet.manual_pipe`): each device holds its stage's stash and
+    accumulators; the embedding's result counts on the first stage only, the loss and the head's
+    gradient on the last only (both computed everywhere and masked, as bubble work is: see
+    :func:`_when`). What crosses ``pipe``: one ``ppermute`` of a microbatch's activations forward and
+    one of a gradient backward per iteration (2M + 3(S-1) in all: the warm-up sends no gradient; against
+    the minimum 2M), and once per step the sum over stages of
     the embedding / head gradients (each nonzero on one stage only) and of the loss.
     """
     s_, m_ = stages, microbatches
@@ -378,7 +378,6 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     act = ("batch", "res_length", "act_embed")
     group = [jax.ShapeDtypeStruct((n_local, *a.shape[1:]), a.dtype) for a in leaves]
     ys_shape = jax.eval_shape(stage, group, x0)[1] if has_ys else None  # a stage's per-layer outputs
-    when = functools.partial(_when, lockstep=_lockstep(stage, group, x0))
     fwd_perm = [(s, s + 1) for s in range(s_ - 1)]
 
 
@@ -409,63 +408,61 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
 
         def forward(t, c):
             """Microbatch t - s into the stage (stage 0 embeds it), its input stashed for the backward."""
+            c = dict(c)
+            f_ok = (t - s >= 0) & (t - s < m_)
             fm = jnp.clip(t - s, 0, m_ - 1)
-
-            def run(c):
-                c = dict(c)
-                x = when(s == 0, lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype), lambda c: c["fwd"], c)
-                x = constrain(x, act)
-                y, ys = stage(p_leaves, x) if has_ys else (stage(p_leaves, x), None)
-                c["stash"] = jax.lax.dynamic_update_index_in_dim(c["stash"], x, fm % k_, 0)
-                if has_ys:
-                    c["ys"] = jax.tree.map(lambda a, v: a + v.astype(jnp.float32) / m_, c["ys"], ys)
-                return c, y.astype(x0.dtype)
-
-            return when((t - s >= 0) & (t - s < m_), run, lambda c: (c, c["fwd"]), c)
+            x = _when(s == 0, lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype), lambda c: c["fwd"], c)
+            x = constrain(x, act)
+            y, ys = stage(p_leaves, x) if has_ys else (stage(p_leaves, x), None)
+            c["stash"] = _put(c["stash"], x, fm % k_, f_ok)
+            if has_ys:
+                c["ys"] = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0), c["ys"], ys)
+            return c, y.astype(x0.dtype)
 
         def backward(t, c, y):
             """Microbatch t - 2(S-1) + s back through the stage: the last stage starts it from the loss
             of ``y`` (its forward of this iteration), stage 0 ends it in the embedding's gradient."""
+            c = dict(c)
             bm = t - 2 * (s_ - 1) + s
+            b_ok = (bm >= 0) & (bm < m_)
             bmm = jnp.clip(bm, 0, m_ - 1)
-
-            def run(c):
-                c = dict(c)
-                if y is None:  # no forward this iteration: not the last stage's turn
-                    g = c["bwd"]
-                else:
-                    def loss_grad(c):
-                        loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
-                                            [o_leaves[i] for i in last_used], y)
-                        d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
-                        c = dict(c, loss=c["loss"] + loss.astype(jnp.float32) / m_)
-                        return dict(c, douter=add(c["douter"], last_used, d_last)), dy.astype(x0.dtype)
-
-                    c, g = when(s == s_ - 1, loss_grad, lambda c: (c, c["bwd"]), c)
-                x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
-                out, pullback = jax.vjp(stage, p_leaves, x)  # the stage's forward again (its remat policy)
-                if has_ys:
-                    dgroup, dx = pullback((constrain(g, act), ys_cotangent(out[1])))
-                else:
-                    dgroup, dx = pullback(constrain(g, act))
-                c["dgroups"] = [a + d.astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
-                dx = dx.astype(x0.dtype)
-                # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
-                # reduction over the batch axes would run once per microbatch); used on stage 0 only
-                c["dins"] = jax.lax.dynamic_update_index_in_dim(c["dins"], dx, bmm, 0)
-                return c, dx
-
-            return when((bm >= 0) & (bm < m_), run, lambda c: (c, c["bwd"]), c)
+            if y is None:  # no forward this iteration: not the last stage's turn
+                g = c["bwd"]
+            else:
+                loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
+                                    [o_leaves[i] for i in last_used], y)
+                d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
+                last_ok = (s == s_ - 1) & b_ok
+                c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
+                c["douter"] = add(c["douter"], last_used, [jnp.where(last_ok, d, 0) for d in d_last])
+                g = jnp.where(s == s_ - 1, dy.astype(x0.dtype), c["bwd"])
+            x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
+            out, pullback = jax.vjp(stage, p_leaves, x)  # the stage's forward again (its remat policy)
+            if has_ys:
+                dgroup, dx = pullback((constrain(g, act), ys_cotangent(out[1])))
+            else:
+                dgroup, dx = pullback(constrain(g, act))
+            c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
+            dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
+            # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
+            # reduction over the batch axes would run once per microbatch); used on stage 0 only
+            c["dins"] = _put(c["dins"], dx, bmm, b_ok)
+            return c, dx
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
             """Iterations ``first .. last - 1``; each shifts what it computed to the next stage."""
             def iteration(c, t):
                 y = dx = None
-                if do_f:
+                if do_f and do_b:  # the cool-down's iterations (t the same on every stage) have no forward
+                    c, y = jax.lax.cond(t < m_ + s_ - 1, lambda c: forward(t, c),
+                                        lambda c: (c, jnp.zeros(x0.shape, x0.dtype)), c)
+                elif do_f:
                     c, y = forward(t, c)
                 if do_b:
                     c, dx = backward(t, c, y)
-                c = dict(c, stash=constrain(c["stash"], (None, *act)), dins=constrain(c["dins"], (None, *act)))
+                c = dict(c, stash=constrain(c["stash"], (None, *act)))
+                if do_b:
+                    c["dins"] = constrain(c["dins"], (None, *act))
                 if do_f:
                     c["fwd"] = constrain(jax.lax.ppermute(constrain(y, act), "pipe", fwd_perm), act)
                 if do_b:
@@ -474,16 +471,19 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
 
             return jax.lax.scan(iteration, c, jnp.arange(first, last))[0]
 
-        c = phase(c, 0, s_ - 1, True, False)  # warm-up: forwards only
-        c = phase(c, s_ - 1, m_ + s_ - 1, True, True)
-        c = phase(c, m_ + s_ - 1, m_ + 2 * (s_ - 1), False, True)  # cool-down: backwards only
+        # warm-up (S - 1 iterations): forwards only; then one forward and one backward per iteration, the
+        # forward skipped in the last S - 1 (cool-down). A loop of its own for the cool-down would send S - 1
+        # fewer activations but, on XLA:CPU, give its body its own temporaries (as a warm-up loop carrying
+        # more than it uses does)
+        c.update(phase({k: c[k] for k in ("fwd", "stash", "ys")}, 0, s_ - 1, True, False))
+        c = phase(c, s_ - 1, m_ + 2 * (s_ - 1), True, True)
 
         def embed_grads(douter):  # stage 0: the embedding's weight gradients, over the whole batch at once
             _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), _batch_of(toks, b, ("batch", "length"))),
                              [o_leaves[i] for i in first_used])
             return add(douter, first_used, vjp(_batch_of(c["dins"], b, act))[0])
 
-        douter = when(s == 0, embed_grads, lambda d: d, c["douter"])
+        douter = _when(s == 0, embed_grads, lambda d: d, c["douter"])
         # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
         # over pipe once (zeros elsewhere)
         douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
@@ -524,35 +524,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
 
 
-def _when(pred, fn, skip, operand, *, lockstep: bool):
-    """``lax.cond(pred, fn, skip, operand)``: each device decides for itself (inside a ``shard_map``
-    manual over ``pipe``). With ``lockstep`` (the stage holds a point-to-point collective of its own, a
-    ``ppermute`` such as ring attention's over ``seq``) both run on every device and the result is
-    selected, so that every device runs the same sequence of collectives, as under a ``vmap``: XLA:CPU
-    pairs the instances of a collective-permute over all the devices it names, and one run on some
-    stages only mixed up data of different iterations (wrong numbers; measured)."""
-    if lockstep:
-        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
-    return jax.lax.cond(pred, fn, skip, operand)
-
-
-def _lockstep(fn, *args) -> bool:
-    """Whether ``fn(*args)`` (shapes suffice) holds a ``ppermute``: see :func:`_when`."""
-    return _has_ppermute(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
-def _has_ppermute(jaxpr) -> bool:
-    def subs(v):
-        if hasattr(v, "eqns"):
-            yield v
-        elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):  # a ClosedJaxpr
-            yield v.jaxpr
-        elif isinstance(v, (tuple, list)):
-            for u in v:
-                yield from subs(u)
-
-    return any(e.primitive.name == "ppermute" or any(_has_ppermute(j) for v in e.params.values() for j in subs(v))
-               for e in jaxpr.eqns)
+def _when(pred, fn, skip, operand):
+    """``fn(operand)`` where ``pred``, else ``skip(operand)``; both run on every device and the result is
+    selected, so that every device runs the same sequence of collectives. A ``lax.cond`` here (each
+    device deciding for itself: the embedding on the first stage only, the head on the last, nothing in
+    the bubble) deadlocked XLA:CPU's in-process collectives on the README's GPipe command (devices
+    stuck at different all-reduces; the rendezvous gave up after 40 s) and, with ring attention, mixed
+    up data of different iterations now and then (wrong numbers, or an abort)."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
 
 
 def schedule_1f1b(stages: int, microbatches: int) -> list[list[tuple[tuple[str, int], ...]]]:

@@ -44,10 +44,13 @@ def storage_order(n: int, stages: int, repeats: int) -> np.ndarray:
 
 
 def loss_in_pipeline() -> bool:
-    """Whether the active layout trains its layer stack in a pipeline (``pipe`` > 1): the model's loss
-    then goes through :meth:`Stack.loss`, which runs the embedding and the head inside it too."""
+    """Whether the active layout trains its layer stack with the loss inside the pipeline (the 1F1B
+    schedule): the model's loss then goes through :meth:`Stack.loss`, which runs the embedding and the
+    head inside it too. (GPipe and circular train through ``Stack.__call__``, with the embedding and
+    the head outside the stages on the batch split over ``pipe``: :mod:`jaxpar.layers.pipeline`.)"""
     rules = active_rules()
-    return rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
+    return (rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
+            and rules.parallel.pipeline_schedule == "1f1b")
 
 
 def leaf_axes(state) -> list[tuple]:
