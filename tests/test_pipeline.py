@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_trees_close, config, first_step, rel_err, trainer
+from helpers import assert_trees_close, batches, config, first_step, rel_err, trainer
 from jaxpar.config import ConfigError
 from jaxpar.layers.pipeline import (bubble_fraction, in_flight, schedule, schedule_1f1b, stage_major_order,
                                     stash_slots)
@@ -75,6 +75,19 @@ def test_loss_and_grads_match_single_device(single, style, layout):
     loss, grads = loss_grads(cfg)
     assert rel_err(loss, single[style][0]) <= 1e-5
     assert_trees_close(grads, single[style][1], 1e-5, "grads ")
+
+
+@pytest.mark.parametrize("style, layout", [
+    ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__pipeline_schedule="1f1b")),
+    ("moe_every2", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_schedule="1f1b"))])
+def test_evaluation_loss_matches_single_device(single, style, layout):
+    """The loss without gradients (evaluation): under 1F1B it is ``pipeline_loss`` (the GPipe schedule
+    with the embedding and the head inside the pipeline's ``shard_map``), equal to one device's."""
+    moe = dict(MOE, moe__every=2) if style == "moe_every2" else {}
+    cfg = config("gpt2", **L4, **moe, **layout)
+    t = trainer(cfg)
+    loss = float(t.eval_loss(t.init_state()["params"], t.place_batch(batches(cfg, 1)[0])))
+    assert rel_err(loss, single[style][0]) <= 1e-5, (loss, single[style][0])
 
 
 def test_microbatches_not_a_multiple_of_stages():
