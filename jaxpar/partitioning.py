@@ -338,17 +338,3 @@ def param(value: jax.Array, names) -> nnx.Param:
         raise ValueError(f"{len(names)} logical names {names} for an array of rank {value.ndim}")
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
-
-def vma(v) -> frozenset:
-    """The manual mesh axes ``v`` varies over inside ``shard_map``: ``.manual_axis_type.varying`` (jax
-    0.10), ``.vma`` (other versions); empty outside."""
-    t = jax.typeof(v)
-    return t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else getattr(t, "vma", frozenset())
-
-
-def varying(v, axes):
-    """``v`` made varying over those of ``axes`` it is not yet varying over (``jax.lax.pcast``): e.g. a
-    loop's zero-initialised carry, to match what the loop body makes of it (inside a 1F1B stage every
-    activation varies over ``pipe``)."""
-    missing = tuple(a for a in axes if a not in vma(v))
-    return jax.lax.pcast(v, missing, to="varying") if missing else v

@@ -89,8 +89,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import SORTED_PIPE, ConfigError
 from jaxpar.layers.mlp import MLP
-from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts
-from jaxpar.partitioning import active_rules, param, varying
+from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
+from jaxpar.partitioning import active_rules, param
 
 
 def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float, dropless: bool = False) -> int:

@@ -163,3 +163,16 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple,
         return jnp.zeros((a, d), ys.dtype).at[rows].set(back, mode="drop")
 
     return _combine(checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out), "mlp_down"), order, gates)
+
+
+def _vma(v) -> frozenset:
+    """The mesh axes ``v`` varies over inside ``shard_map``: ``.manual_axis_type.varying`` (jax 0.10),
+    ``.vma`` (other versions)."""
+    t = jax.typeof(v)
+    return t.manual_axis_type.varying if hasattr(t, "manual_axis_type") else t.vma
+
+
+def varying(v, axes):
+    """``v`` made varying over those of ``axes`` it is not yet varying over (``jax.lax.pcast``)."""
+    missing = tuple(a for a in axes if a not in _vma(v))
+    return jax.lax.pcast(v, missing, to="varying") if missing else v

@@ -110,7 +110,7 @@ def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micr
     mb = b // m_
     act = ("batch", "res_length", "act_embed")
     # microbatch m = rows m, m+M, ...: each stays split over the batch axes without moving data
-    xs = constrain(x.reshape(mb, m_, *x.shape[1:]).swapaxes(0, 1), (None, *act))
+    xs = _split_mb(x, m_, act)
     leaves, treedef = jax.tree.flatten(params)
     axes = param_axes or [(None,) * a.ndim for a in leaves]
     lg = leaves[0].shape[0] // (s_ * r_)  # layers per group
@@ -379,8 +379,6 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     group = [jax.ShapeDtypeStruct((n_local, *a.shape[1:]), a.dtype) for a in leaves]
     ys_shape = jax.eval_shape(stage, group, x0)[1] if has_ys else None  # a stage's per-layer outputs
     fwd_perm = [(s, s + 1) for s in range(s_ - 1)]
-
-
     bwd_perm = [(s + 1, s) for s in range(s_ - 1)]
 
     def local(p_leaves, o_leaves, toks, tgts):
