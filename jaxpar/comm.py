@@ -23,19 +23,14 @@ tensor            Megatron: per layer 2 all-reduces of ``[rows, Tl, d]`` forward
                   Megatron-SP: per layer 2 all-gathers + 2 reduce-scatters forward and the same
                   backward; gradients of weights not split over tensor all-reduced over tensor
 pipe              GPipe / circular: per iteration (M R + S - 1 of them) one collective-permute of
-                  ``[rows, Tl, d]`` forward and one backward; once per microstep the last stage's
-                  outputs summed over the stages and the input's gradient too (two all-reduces of
-                  the microstep's ``[rows, Tl, d]``; reduce-scatters on GPU / TPU when the batch is
-                  split over ``pipe`` outside the stages); every layer collective runs on each
+                  ``[rows, Tl, d]`` forward and one backward; every layer collective runs on each
                   iteration, bubbles included (they compute on zeros). 1F1B: 2M + 3S - 3 permutes
-                  (warm-up and steady forwards, steady backwards), the embedding / head gradients
-                  summed over stages once (each nonzero on one stage); a
-                  layer runs forward M + 2S - 2 times and again before each of its M + S - 1 backwards.
-                  GPipe / circular with M a multiple of S split the batch over ``pipe`` outside the
-                  stages: two all-gathers of the microstep's ``[rows, Tl, d]`` (the embedding's output
-                  to the stages, the head's input gradient to the last stage), the embedding / head
-                  gradients reduced over ``pipe`` with the batch axes, the head / loss / lookup
-                  collectives on ``rows / S``
+                  (warm-up and steady forwards, steady backwards); a layer runs forward M + 2S - 2
+                  times and again before each of its M + S - 1 backwards. Every schedule: the
+                  embedding / head weight gradients summed over stages once per microstep (each
+                  nonzero on one stage; under ZeRO-1 only the device's shard, after the reduction
+                  over the batch axes); the head / loss / lookup collectives on the whole ``rows``
+                  (every stage runs them, lock-step)
 expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward
 seq               all_gather: per layer K and V all-gathered forward, reduce-scattered backward;
                   ring: per layer N-1 hops of K and V each way; ulysses: 4 all-to-alls each way
@@ -69,7 +64,6 @@ from jaxpar.hlo import wire_bytes
 from jaxpar.layers.moe import expert_capacity
 from jaxpar.layers.remat import KEPT
 from jaxpar.mesh import AXES
-from jaxpar.partitioning import batch_over_pipe
 
 TOKEN_AXES = ("data", "expert", "seq")
 
@@ -144,9 +138,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # a layer runs `layer_runs` times per step on `layer_rows` sequences
     layer_rows = rows // mb_ if pipelined else rows
     layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
-    # GPipe / circular: the batch also split over pipe outside the stages (jaxpar.partitioning)
-    pipe_batch = batch_over_pipe(par, s_)
-    head_rows = rows / s_ if pipe_batch else rows
+    head_rows = rows  # the embedding and head: on the whole batch (on every stage, inside a pipeline)
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
     fwd_runs = bwd_runs = layer_runs
@@ -172,8 +164,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         tied_table = tied and leaf.names == ("vocab", "embed")
         head = leaf.names in (("norm",), ("embed", "vocab")) or tied_table  # the final norm and the head
         leaf_axes = _spec_axes(leaf.compute)
-        red = tuple(a for a in big(TOKEN_AXES + (("pipe",) if pipe_batch and not leaf.stage else ()))
-                    if a not in leaf_axes)
+        red = tuple(a for a in big(TOKEN_AXES) if a not in leaf_axes)
         scatter = tuple(a for a in red if a in _spec_axes(leaf.opt))
         loops, local_iter = 1, local
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
@@ -201,8 +192,10 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         gathered_params = tuple(a for a in _spec_axes(leaf.opt) - _spec_axes(leaf.params) if sizes[a] > 1)
         if gathered_params:  # ZeRO-1: the updated shards gathered back into the replicated parameters
             add("all-gather", gathered_params, 1, local, "ZeRO-1 parameter all-gather")
-        if f1b and not leaf.stage:  # the embedding's (first stage) and head's (last stage) gradients
-            add("all-reduce", ("pipe",), k, local, "1F1B embedding / head gradients summed over stages")
+        if pipelined and not leaf.stage:  # the embedding's (first stage) and head's (last stage) gradients;
+            # under ZeRO-1 XLA reduces them over the batch axes first and sums only this device's shard
+            add("all-reduce", ("pipe",), k, local / math.prod(sizes[a] for a in scatter),
+                "embedding / head gradients summed over stages")
         zero3 = tuple(a for a in _spec_axes(leaf.params) - _spec_axes(leaf.compute) if sizes[a] > 1)
         if zero3:  # ZeRO-3: a layer's weights gathered before each use, in every gradient-accumulation
             # microstep; the embedding's and head's gathers do not depend on the microstep, and XLA hoists
@@ -251,14 +244,10 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # -- pipeline --------------------------------------------------------------------------------------
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
-        out = rows * tl * d * act_bytes / (sizes["tensor"] if par.megatron_sp else 1)  # a microstep's [rows, Tl, d]
         if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
             add("collective-permute", ("pipe",), k * (2 * mb_ + 3 * s_ - 3), res, "1F1B stage shifts")
         else:
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
-            add("all-reduce", ("pipe",), 2 * k, out, "outputs summed over stages; input gradient summed over stages")
-            if pipe_batch:
-                add("all-gather", ("pipe",), 2 * k, out, "embedding output to the stages; head input gradient")
 
     # -- expert parallelism ----------------------------------------------------------------------------
     if m.arch == "moe" and sizes["expert"] > 1:

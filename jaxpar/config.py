@@ -580,9 +580,10 @@ def validate(cfg: Config) -> None:
     validate_moe(cfg)
 
 
-SORTED_PIPE = ("moe.dispatch=sorted with parallel.pipe > 1 is not supported yet: the pipeline runs its stages as a "
-               "vmap, and JAX cannot batch the grouped matmul's loops inside the layer's shard_map there; use "
-               "moe.dispatch=capacity (with moe.dropless=true for no drops) when pipelining")
+SORTED_PIPE = ("moe.dispatch=sorted with parallel.pipe > 1 is not supported yet: the pipeline's forward without "
+               "the loss (sampling) runs its stages as a vmap, and JAX cannot batch the grouped matmul's loops "
+               "inside the layer's shard_map there; use moe.dispatch=capacity (with moe.dropless=true for no "
+               "drops) when pipelining")
 
 
 def validate_moe(cfg: Config) -> None:

@@ -26,11 +26,10 @@ Two rule sets exist: ``params`` (weights and activations) and ``opt`` (optimizer
 additionally split over the batch axes under ZeRO-1). A name with no rule, two dims of one array on
 the same mesh axis, or a dim the mesh axes do not divide is an error.
 
-Under a GPipe / circular pipeline (``pipe > 1``, M a multiple of S) ``batch`` is also split over
-``pipe`` outside the stages: the embedding, final norm, head and loss run on 1/S of the batch per
-pipe device instead of all of it on every one; :meth:`RuleSet.inside_stages` (the pipeline's rules)
-leaves ``pipe`` to the stage dim. (Under 1F1B they run inside the schedule, on the first and last
-stage.)
+Under a pipeline (``pipe > 1``) the batch is never split over ``pipe``: the model's embedding runs
+on the first stage and its head and loss on the last, inside the schedule's ``shard_map`` manual
+over ``pipe`` (:meth:`RuleSet.manual_pipe`), so that nothing of the batch but the stage shifts
+crosses ``pipe`` (:mod:`jaxpar.layers.pipeline`).
 
 ZeRO shards over every axis that splits the batch (``data``, ``expert``, ``seq``): all of them hold
 replicas of the dense weights, so all of them share the weights' (ZeRO-3) and the optimizer
@@ -130,23 +129,12 @@ class RuleSet:
 
     def manual_axes(self) -> set[str]:
         """The mesh axes of size > 1 that a layer's ``shard_map`` makes manual: all of them, less those
-        already manual where it runs (``pipe`` inside a 1F1B stage)."""
+        already manual where it runs (``pipe`` inside a pipeline stage)."""
         mesh = self.mesh
         if mesh is None:
             return set()
         done = set(getattr(mesh, "manual_axes", ()))
         return {a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in done}
-
-    def inside_stages(self) -> RuleSet:
-        """The rules inside pipeline stages: the batch is not split over ``pipe`` there (the stage dim
-        is); outside them it may be (module docstring)."""
-        if "pipe" not in self.params.table["batch"]:
-            return self
-
-        def without(r: Rules) -> Rules:
-            return Rules(dict(r.table, batch=tuple(a for a in r.table["batch"] if a != "pipe")), r.mesh, r.name)
-
-        return RuleSet(without(self.params), without(self.opt), without(self.compute), self.parallel)
 
     def manual_pipe(self) -> RuleSet:
         """The rules inside a ``shard_map`` manual over ``pipe`` (a device's own pipeline stage): bound
@@ -178,17 +166,10 @@ class RuleSet:
         return "\n".join(lines)
 
 
-def batch_over_pipe(par: ParallelConfig, stages: int) -> bool:
-    """Whether ``batch`` is also split over ``pipe`` outside the pipeline stages (module docstring):
-    GPipe / circular with M a multiple of S, so that every batch the config accepts divides."""
-    return stages > 1 and par.pipeline_schedule == "gpipe" and (par.microbatches or stages) % stages == 0
-
-
 def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
     """The rule tables for a parallel config (the only place rules are made)."""
-    pipe_batch = batch_over_pipe(par, par.pipe if mesh is None else mesh.shape["pipe"])
     base = {
-        "batch": ("data", "expert", "pipe") if pipe_batch else ("data", "expert"), "length": ("seq",),
+        "batch": ("data", "expert"), "length": ("seq",),
         # the residual stream's sequence dim: also split over tensor under Megatron sequence parallelism
         "res_length": ("seq", "tensor") if par.megatron_sp else ("seq",),
         "vocab": ("tensor",), "act_vocab": ("tensor",),

@@ -31,9 +31,8 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share; 1F1B keeps the stage inputs of
   ``min(M, 2S - 1)`` microbatches and one microbatch's stage activations while its backward runs,
   and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
-  and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a GPipe pipeline
-  with M a multiple of S runs the loss on ``1/S`` of the tokens per device (the batch split over
-  ``pipe`` outside the stages). The loss runs between the layers' forward and backward: the total
+  and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a pipeline's chunks
+  are at most one microbatch. The loss runs between the layers' forward and backward: the total
   counts the larger of the logits and one layer's working set, not both (1F1B: both).
 * **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
@@ -242,7 +241,6 @@ class Planner:
 
         from jaxpar.layers.attention_ops import choose
         from jaxpar.layers.remat import KEPT
-        from jaxpar.partitioning import batch_over_pipe
 
         m, par, tr, e = cfg.model.resolved(), cfg.parallel, cfg.train, cfg.moe
         t, n = sizes["tensor"], sizes["seq"]
@@ -276,7 +274,9 @@ class Planner:
         stored = kept if m.remat == "none" else d + sum(named.get(x, 0.0) for x in KEPT.get(m.remat, ()))
         s_ = sizes["pipe"]
         layers = m.n_layers // s_
-        held = tokens * ((par.microbatches or s_) + s_ - 1) / (par.microbatches or s_) if s_ > 1 else tokens
+        # a pipeline stage runs each of its layers (M R + S - 1) / R times (bubble iterations included)
+        mr = (par.microbatches or s_) * par.pipeline_repeats
+        held = tokens * (mr + s_ - 1) / mr if s_ > 1 else tokens
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
         # plus one layer's working set: the backward's (and, under remat, its recompute's)
         act = (layers * held * stored + micro * working) * ab
@@ -285,11 +285,11 @@ class Planner:
             m_ = par.microbatches or s_
             act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * stored
                    + micro * working + tokens * d) * ab
-        elif s_ > 1:  # the pipeline's input and output streams of all microbatches, and their gradients
-            act += 4 * tokens * d * ab
-        # 1F1B's loss runs per microbatch; GPipe's splits the batch over pipe when M is a multiple of S
-        head_tokens = micro if f1b else tokens / s_ if batch_over_pipe(par, s_) else tokens
-        chunk = min(head_tokens, m.loss_chunk_tokens or head_tokens)
+        elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
+            # outputs on the last), its gradient, and the embedding's output gradient
+            act += 3 * tokens * d * ab
+        # a pipeline's loss runs in chunks of at most one microbatch (1F1B: per microbatch)
+        chunk = min(micro, m.loss_chunk_tokens or micro)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
         # the chunk's logits and their gradient, and the masked logits when the vocabulary is padded
         logits = (2 + (vocab * t > m.vocab_size)) * chunk * vocab * 4

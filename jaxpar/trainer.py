@@ -190,7 +190,8 @@ class Trainer:
         if strategy:
             kernel += f"; context-parallel {strategy} over seq={n}" + (" (XLA blocks)" if strategy == "ring" else "")
         rows = self.cfg.train.batch_size // self.cfg.train.grad_accum // (self.sizes["data"] * self.sizes["expert"])
-        chunks = loss_chunks(rows, m.seq_len // n, m.loss_chunk_tokens)
+        s_ = self.sizes["pipe"]  # a pipeline's loss: in chunks of at most one microbatch (jaxpar.layers.loss)
+        chunks = loss_chunks(rows, m.seq_len // n, m.loss_chunk_tokens, (par.microbatches or s_) if s_ > 1 else 1)
         return [f"compute: {dtype.name} matmuls, {m.param_dtype} parameters; attention kernel: {kernel}; "
                 f"remat: {m.remat}; loss: head + cross-entropy in {chunks} chunk(s) of "
                 f"{rows * m.seq_len // n // chunks} tokens per device"]

@@ -115,8 +115,8 @@ class GPT(nnx.Module):
         The head and the loss run fused over chunks of at most ``model.loss_chunk_tokens`` tokens per
         device (:func:`~jaxpar.layers.loss.head_cross_entropy`), so the float32 logits of the whole
         batch never exist. Under zig-zag ring attention the tokens and targets are permuted together
-        (the mean does not depend on the order), so nothing is put back in order. With the 1F1B pipeline
-        schedule the layer stack, the embedding and the loss run in :meth:`pipelined_loss`.
+        (the mean does not depend on the order), so nothing is put back in order. With ``pipe > 1`` the
+        layer stack, the embedding and the loss run in the pipeline (:meth:`pipelined_loss`).
         """
         tokens, targets, positions = ordered(tokens, targets)
         if loss_in_pipeline():
@@ -126,8 +126,7 @@ class GPT(nnx.Module):
     def pipelined_loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None,
                        weights: dict | None = None) -> tuple[jax.Array, dict | None]:
         """The loss in the layout's pipeline (:meth:`~jaxpar.layers.stack.Stack.loss`): the embedding on
-        the first stage, the head and loss on the last (the model uses it under 1F1B: forward and
-        backward of the microbatches interleaved; GPipe and circular run the stack alone). With
+        the first stage, the head and loss on the last (the model's loss under every schedule). With
         ``weights`` (a dict over the per-layer outputs of :meth:`make_blocks`' layers, e.g. MoE router
         losses) the loss adds ``sum weight x sum over layers``; returns ``(loss, outputs)``, the per-layer
         outputs averaged over microbatches (None without ``weights``)."""

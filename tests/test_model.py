@@ -77,6 +77,17 @@ def test_chunked_loss_equals_whole_batch_loss(style, layout):
     assert_trees_close(chunked[1], whole[1], 1e-5, "chunked loss grads ")
 
 
+def test_loss_chunks():
+    """The fewest chunks (divisors of the length) within the token limit, and at least ``at_least``
+    where the length allows (a pipeline asks for one chunk per microbatch at most)."""
+    from jaxpar.layers.loss import loss_chunks
+
+    assert loss_chunks(2, 256, 4096) == 1 and loss_chunks(2, 256, 0) == 1
+    assert loss_chunks(2, 256, 256) == 2 and loss_chunks(2, 256, 100) == 8  # 2 x 32 tokens
+    assert loss_chunks(2, 256, 4096, at_least=4) == 4 and loss_chunks(2, 256, 256, at_least=3) == 4
+    assert loss_chunks(2, 6, 0, at_least=4) == 6 and loss_chunks(2, 7, 4096, at_least=2) == 7
+
+
 def test_chunked_loss_bounds_the_logits_memory():
     """At 16 x 256 tokens and a 32000-word vocabulary the float32 logits alone are 524 MB: the loss
     over the whole batch at once holds them (and more); in chunks of 256 tokens the step's temp

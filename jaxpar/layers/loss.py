@@ -29,6 +29,9 @@ Matmuls run in the compute dtype with float32 accumulation; ``dw`` accumulates i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -38,12 +41,27 @@ from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules
 
 
-def loss_chunks(batch: int, length: int, chunk_tokens: int) -> int:
+_MIN_CHUNKS = contextvars.ContextVar("jaxpar_loss_min_chunks", default=1)
+
+
+@contextlib.contextmanager
+def min_chunks(n: int):
+    """Within it, :func:`head_cross_entropy` cuts a device's tokens into at least ``n`` chunks (the
+    pipeline runs the loss of all M microbatches at once, in chunks of at most a microbatch each, so
+    that its temporaries do not grow with M)."""
+    token = _MIN_CHUNKS.set(n)
+    try:
+        yield
+    finally:
+        _MIN_CHUNKS.reset(token)
+
+
+def loss_chunks(batch: int, length: int, chunk_tokens: int, at_least: int = 1) -> int:
     """How many chunks a device's ``batch x length`` tokens are cut into: the fewest (a divisor of
-    ``length``) with at most ``chunk_tokens`` tokens each (``chunk_tokens`` 0: one chunk)."""
-    if chunk_tokens <= 0 or batch * length <= chunk_tokens:
-        return 1
-    return next((n for n in range(2, length + 1) if length % n == 0 and batch * length // n <= chunk_tokens), length)
+    ``length``, at least ``at_least`` where ``length`` allows) with at most ``chunk_tokens`` tokens each
+    (``chunk_tokens`` 0: no limit)."""
+    fits = lambda n: chunk_tokens <= 0 or batch * length // n <= chunk_tokens  # noqa: E731
+    return next((n for n in range(max(at_least, 1), length + 1) if length % n == 0 and fits(n)), length)
 
 
 def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, *, layout: str, dtype,
@@ -57,13 +75,14 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     padded = w.shape[0 if layout == "vd" else 1] > vocab_size
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
+    chunking = (chunk_tokens, _MIN_CHUNKS.get())
     if rules is None or mesh is None or not rules.manual_axes():
-        kernel = _Kernel(vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, (), (), False)
+        kernel = _Kernel(vocab_size, padded, layout, dtype, chunking, n_tokens, (), (), False)
         return _differentiable(kernel.__call__)(x, w, targets)
     big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
     vocab_axes = tuple(a for a in rules.compute.axes("vocab") if mesh.shape[a] > 1)
     token_axes = tuple(dict.fromkeys(a for a in big(("batch", "length")) if a not in vocab_axes))
-    kernel = _Kernel(vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes,
+    kernel = _Kernel(vocab_size, padded, layout, dtype, chunking, n_tokens, vocab_axes, token_axes,
                      rules.megatron_sp)
     p = rules.params
     x_spec, t_spec = p.spec(("batch", "res_length", "act_embed")), p.spec(("batch", "length"))
@@ -120,10 +139,10 @@ def _differentiable(run):
 class _Kernel:
     """One device's chunked head + cross-entropy (its collectives over the given mesh axes)."""
 
-    def __init__(self, vocab_size, padded, layout, dtype, chunk_tokens, n_tokens, vocab_axes, token_axes,
+    def __init__(self, vocab_size, padded, layout, dtype, chunking, n_tokens, vocab_axes, token_axes,
                  megatron_sp):
         self.vocab_size, self.padded, self.layout, self.dtype = vocab_size, padded, layout, dtype
-        self.chunk_tokens = chunk_tokens
+        self.chunking = chunking  # (at most this many tokens per chunk, at least this many chunks)
         self.n_tokens, self.vocab_axes, self.token_axes, self.sp = n_tokens, vocab_axes, token_axes, megatron_sp
 
     def _psum(self, v, axes):
@@ -134,7 +153,7 @@ class _Kernel:
         if self.sp:  # Megatron-SP: the residual stream arrives split along the sequence over tensor
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
         b, t, d = x.shape
-        n = loss_chunks(b, t, self.chunk_tokens)
+        n = loss_chunks(b, t, *self.chunking)
         vd = self.layout == "vd"
         local_vocab = w.shape[0 if vd else 1]
         first = jax.lax.axis_index(self.vocab_axes) * local_vocab if self.vocab_axes else 0

@@ -15,21 +15,20 @@ the last stage the ring shift takes it to stage 0, which holds it until t = (r+1
 M*R + S - 1 iterations, bubble (S-1)/(M*R+S-1). Storage is stage-major: position p of the stacked
 layer dim holds layer :func:`stage_major_order` [p], so that each device's groups are contiguous.
 
-GPipe / circular training (:func:`pipeline`, the model's ``Stack.__call__``): the stages run under
-a ``vmap`` over the stage dim (spmd axis ``pipe``). The last stage files its outputs in its own
+Training (:func:`pipeline_loss` for GPipe / circular, :func:`one_f_one_b`; the model's ``Stack.loss``)
+runs in a ``jax.shard_map`` manual over ``pipe``, the embedding and the loss inside (below). A
+forward without the loss (:func:`pipeline`, the model's ``Stack.__call__``: logits, sampling) runs
+the stages under a ``vmap`` over the stage dim (spmd axis ``pipe``). The last stage files its outputs in its own
 slots of a per-stage buffer (a local write); after the loop the buffers, all but the last stage's
-zeroed, are summed over ``pipe`` once into the caller's layout (a reduce-scatter when the batch is
-split over ``pipe`` there); every stage holds a copy of the input microbatches, so that the input's
-gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per iteration.
-Bubble iterations compute on zeros. The backward is the scan's gradient; what each layer keeps for
-it is the stage function's business (the model applies its ``model.remat`` policy per layer inside
-the stage; the stage selects an iteration's layer group itself, so that no per-iteration copy of
-its weights is kept). The embedding, final norm and head run outside the stages, on the batch split
-over ``pipe`` as well when M is a multiple of S (:meth:`~jaxpar.partitioning.RuleSet.inside_stages`).
+zeroed, are summed over ``pipe`` once; every stage holds a copy of the input microbatches, so that
+the input's gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per
+iteration. Bubble iterations compute on zeros. What each layer keeps for the backward is the stage
+function's business (the model applies its ``model.remat`` policy per layer inside the stage; the
+stage selects an iteration's layer group itself, so that no per-iteration copy of its weights is kept).
 
-1F1B (:func:`one_f_one_b`, and its loss without differentiation, :func:`pipeline_loss`, which also
-serves ``Stack.loss`` under GPipe / circular) runs the schedule in a ``jax.shard_map`` manual over
-``pipe`` (every other mesh axis stays the compiler's; the layers see
+:func:`pipeline_loss` (GPipe / circular; the scan's transpose is its backward) and :func:`one_f_one_b`
+(1F1B; its loss without differentiation is :func:`pipeline_loss`) run the schedule in a
+``jax.shard_map`` manual over ``pipe`` (every other mesh axis stays the compiler's; the layers see
 :meth:`~jaxpar.partitioning.RuleSet.manual_pipe` rules, whose names leave ``pipe`` out): each device
 holds its own stage and its own buffers, the embedding's result counts on the first stage only and
 the head's and loss's on the last only. What crosses ``pipe``: the stage shifts, and once per step
@@ -49,6 +48,7 @@ import numpy as np
 
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.layers.loss import min_chunks
 from jaxpar.partitioning import RuleSet, active_rules, constrain, use_rules
 
 
@@ -82,10 +82,8 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
              outputs: bool = False, param_axes: list[tuple] | None = None):
     """See :func:`_pipeline` (which runs under the rules inside the stages); ``x`` and the result are
     in the caller's layout (e.g. the batch also split over ``pipe``)."""
-    outer = _rules()
-    with use_rules(outer.inside_stages()):
-        out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
-                        outputs=outputs, param_axes=param_axes)
+    out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
+                    outputs=outputs, param_axes=param_axes)
     y, ys = out if outputs else (out, None)
     y = constrain(jnp.sum(y, axis=0).swapaxes(0, 1).reshape(x.shape), ("batch", "res_length", "act_embed"))
     return (y, ys) if outputs else y
@@ -183,12 +181,13 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
 
     The schedule of :func:`schedule`, in a ``shard_map`` manual over ``pipe`` (as :func:`one_f_one_b`):
     stage 0 embeds the whole batch once before the loop and the last stage files the microbatches it
-    finishes, whose loss it computes once after the loop (one weight gradient for the embedding and
-    one for the head per step, each on its own stage, summed over ``pipe`` by the ``shard_map``'s
-    transpose). A stage in the bubble computes on zeros (its results are never used; see :func:`_when`;
-    a ``lax.cond`` would also make the scan's gradient keep what the branch reads, the stage's weights
-    included, as a residual of every iteration: 4.0 -> 6.4 MiB per device on the planner's ``data=4 x
-    pipe=2`` layout). With R > 1 a
+    finishes, whose loss it computes once after the loop, in chunks of at most one microbatch
+    (:func:`~jaxpar.layers.loss.min_chunks`: the head's temporaries stay one microbatch's at any M);
+    one weight gradient for the embedding and one for the head per step, each on its own stage, summed
+    over ``pipe`` by the ``shard_map``'s transpose. A stage in the bubble computes on zeros (its results
+    are never used; see :func:`_when`; a ``lax.cond`` would also make the scan's gradient keep what the
+    branch reads, the stage's weights included, as a residual of every iteration: 4.0 -> 6.4 MiB per
+    device on the planner's ``data=4 x pipe=2`` layout). With R > 1 a
     microbatch leaving the last stage goes round the ring to stage 0, which holds it until its next
     repeat (t = (r+1) M + m; needs M >= S). What crosses ``pipe``: one ``ppermute`` of a microbatch's
     activations per iteration (M R + S - 1) and its transpose in the backward, and the embedding /
@@ -249,8 +248,9 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
             return c, None
 
         c, _ = jax.lax.scan(iteration, c, jnp.arange(m_ * r_ + s_ - 1))
-        loss = _when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
-                     lambda o: jnp.zeros((), jnp.float32), outer_)
+        with min_chunks(m_):  # the head's temporaries: one microbatch's (each chunk at most one)
+            loss = _when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
+                         lambda o: jnp.zeros((), jnp.float32), outer_)
         ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
         return loss[None], ys
 

@@ -6,10 +6,11 @@ named ``layers``, which the partitioning rules split over ``pipe``) and applies 
 time flat in depth), each layer rematerialised with the ``model.remat`` policy
 (:mod:`jaxpar.layers.remat`), or, when the active layout has ``pipe > 1``, the pipeline
 (:mod:`jaxpar.layers.pipeline`: GPipe or circular), each stage scanning its layers with the same
-policy. :meth:`Stack.loss` runs the whole model under the 1F1B schedule (the stack between an
-embedding and a loss, see :func:`~jaxpar.layers.pipeline.one_f_one_b`). :func:`storage_order` is the
-physical order of the stacked layers (stage-major under a circular pipeline), which the trainer
-applies to parameters and undoes for checkpoints. The model knows none of this::
+policy. Under a pipeline, :meth:`Stack.loss` runs the whole model in it for training (the stack
+between an embedding on the first stage and a loss on the last, in any schedule:
+:func:`~jaxpar.layers.pipeline.pipeline_loss`, :func:`~jaxpar.layers.pipeline.one_f_one_b`).
+:func:`storage_order` is the physical order of the stacked layers (stage-major under a circular
+pipeline), which the trainer applies to parameters and undoes for checkpoints. The model knows none of this::
 
     class MyModel(nnx.Module):
         def __init__(self, rngs):
@@ -44,13 +45,11 @@ def storage_order(n: int, stages: int, repeats: int) -> np.ndarray:
 
 
 def loss_in_pipeline() -> bool:
-    """Whether the active layout trains its layer stack with the loss inside the pipeline (the 1F1B
-    schedule): the model's loss then goes through :meth:`Stack.loss`, which runs the embedding and the
-    head inside it too. (GPipe and circular train through ``Stack.__call__``, with the embedding and
-    the head outside the stages on the batch split over ``pipe``: :mod:`jaxpar.layers.pipeline`.)"""
+    """Whether the active layout pipelines the layer stack (``pipe > 1``, any schedule): the model's
+    loss then goes through :meth:`Stack.loss`, which runs the embedding on the first stage and the
+    head and loss on the last, inside the pipeline (:mod:`jaxpar.layers.pipeline`)."""
     rules = active_rules()
-    return (rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
-            and rules.parallel.pipeline_schedule == "1f1b")
+    return rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
 
 
 def leaf_axes(state) -> list[tuple]:
