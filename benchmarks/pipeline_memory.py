@@ -5,10 +5,11 @@
 
 1. The MaxText comparison layout (Llama-style, emb 256, 4 heads, MLP 1024, 4 layers, vocab 8192 untied,
    seq 256, batch 8, float32, remat full, pipe=2 x data=4, 2 microbatches): arguments + outputs +
-   temporaries - aliased (``memory_analysis()``) for the circular schedule (2 repeats), 1F1B, and
-   1F1B with ZeRO-1.
+   temporaries - aliased (``memory_analysis()``) for the circular schedule (2 repeats), 1F1B,
+   interleaved 1F1B (2 chunks per stage) and 1F1B with ZeRO-1.
 2. Temporaries against the microbatch count M at a fixed microbatch size (Llama, d 64, 4 layers,
-   seq 16, pipe=2, 4 sequences per microbatch): GPipe keeps every microbatch, 1F1B at most 2S - 1.
+   seq 16, pipe=2, 4 sequences per microbatch): GPipe keeps every microbatch, 1F1B at most 2S - 1,
+   interleaved 1F1B at most 2RS - 1 chunk inputs.
 
 Nothing is timed: the numbers are the compiler's buffer assignment, the same on any machine.
 """
@@ -60,17 +61,19 @@ def main(argv=None) -> int:
     print("MaxText comparison layout, per device (arguments + outputs + temporaries - aliased):")
     for name, extra in [("circular (2 repeats)", {"parallel.pipeline_repeats": 2}),
                         ("1f1b", {"parallel.pipeline_schedule": "1f1b"}),
+                        ("interleaved 1f1b (R=2)", {"parallel.pipeline_schedule": "1f1b",
+                                                    "parallel.pipeline_repeats": 2}),
                         ("1f1b, zero=1", {"parallel.pipeline_schedule": "1f1b", "parallel.zero": 1})]:
         mem = memory({**MAXTEXT, **extra})
         out["maxtext"][name] = mem
         print(f"  {name:22s} total {mem['total'] / MIB:7.1f} MiB  (arguments {mem['argument_size'] / MIB:.1f}, "
               f"temporaries {mem['temp_size'] / MIB:.1f})")
     print("temporaries against M, 4 sequences per microbatch:")
-    for sched in ("gpipe", "1f1b"):
+    for name, sched, r in (("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved 1f1b (R=2)", "1f1b", 2)):
         temps = {m: memory({**TINY, "parallel.microbatches": m, "parallel.pipeline_schedule": sched,
-                            "train.batch_size": 4 * m})["temp_size"] for m in (2, 16)}
-        out["microbatches"][sched] = temps
-        print(f"  {sched:6s} M=2 {temps[2] / MIB:6.2f} MiB   M=16 {temps[16] / MIB:6.2f} MiB   "
+                            "parallel.pipeline_repeats": r, "train.batch_size": 4 * m})["temp_size"] for m in (2, 16)}
+        out["microbatches"][name] = temps
+        print(f"  {name:22s} M=2 {temps[2] / MIB:6.2f} MiB   M=16 {temps[16] / MIB:6.2f} MiB   "
               f"ratio {temps[16] / temps[2]:.2f}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -26,7 +26,9 @@ pipe              GPipe / circular: per iteration (M R + S - 1 of them) one coll
                   ``[rows, Tl, d]`` forward and one backward; every layer collective runs on each
                   iteration, bubbles included (they compute on zeros). 1F1B: 2M + 3S - 3 permutes
                   (warm-up and steady forwards, steady backwards); a layer runs forward M + 2S - 2
-                  times and again before each of its M + S - 1 backwards. Every schedule: the
+                  times and again before each of its M + S - 1 backwards (interleaved, R chunks:
+                  M R + R S + S - 2 iterations, M R + S - 1 of them with a backward, each running
+                  one chunk of L / (S R) layers). Every schedule: the
                   embedding / head weight gradients summed over stages once per microstep (each
                   nonzero on one stage; under ZeRO-1 only the device's shard, after the reduction
                   over the batch axes); the head / loss / lookup collectives on the whole ``rows``
@@ -142,14 +144,16 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
     fwd_runs = bwd_runs = layer_runs
-    if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the stage for its backward
-        bwd_runs = k * (mb_ + s_ - 1) * (m.n_layers // s_)
-        fwd_runs = k * (mb_ + 2 * s_ - 2) * (m.n_layers // s_) + bwd_runs
+    # 1F1B: iterations, and those of the steady loop (a backward each); interleaved (R > 1) each runs a chunk
+    f1b_iters, f1b_steady = mb_ * r_ + r_ * s_ + s_ - 2, mb_ * r_ + s_ - 1
+    if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the chunk for its backward
+        bwd_runs = k * f1b_steady * (m.n_layers // (s_ * r_))
+        fwd_runs = k * f1b_iters * (m.n_layers // (s_ * r_)) + bwd_runs
     redo_runs = bwd_runs if remat != "none" else 0
     # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
     # (the loss in each steady iteration, the lookup in each forward)
-    head_runs = (mb_ + s_ - 1) / mb_ if f1b else 1.0
-    lookup_runs = (mb_ + 2 * s_ - 2) / mb_ if f1b else 1.0
+    head_runs = f1b_steady / mb_ if f1b else 1.0
+    lookup_runs = f1b_iters / mb_ if f1b else 1.0
     terms: list[Term] = []
 
     def add(kind, axes, count, result, what):
@@ -170,7 +174,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         if platform == "cpu":  # reduced inside every microstep, and every pipeline iteration
             loops = k * (iters if leaf.stage and pipelined else 1)
             if f1b and (leaf.stage or head):  # accumulated in 1F1B's steady loop (a tied table: once more,
-                loops = k * (mb_ + s_ - 1 + tied_table)  # for the lookup after it)
+                loops = k * (f1b_steady + tied_table)  # for the lookup after it)
 
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
@@ -245,7 +249,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     if pipelined:  # the residual stream: also split over tensor under Megatron-SP
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
         if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
-            add("collective-permute", ("pipe",), k * (2 * mb_ + 3 * s_ - 3), res, "1F1B stage shifts")
+            add("collective-permute", ("pipe",), k * (f1b_iters + f1b_steady), res, "1F1B stage shifts")
         else:
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
 

@@ -83,11 +83,13 @@ class ParallelConfig:
                                         "over `tensor` (needs tensor > 1).")
     microbatches: int = _f(0, "Pipeline microbatches M per (grad-accum) step; 0 = parallel.pipe. Needs M >= pipe.",
                            range=NONNEGATIVE)
-    pipeline_repeats: int = _f(1, "Circular pipeline: each device holds this many non-adjacent layer groups (R).",
+    pipeline_repeats: int = _f(1, "Circular pipeline / interleaved 1F1B: each device holds this many non-adjacent "
+                                  "layer groups (R).",
                                range=POSITIVE)
     pipeline_schedule: str = _f("gpipe", "Pipeline schedule: gpipe (all forwards, then the scan's backward; circular "
                                          "with pipeline_repeats > 1) or 1f1b (one forward, one backward: activations "
-                                         "of at most 2*pipe - 1 microbatches per stage, not all M).",
+                                         "of at most 2*pipe - 1 microbatches per stage, not all M; interleaved with "
+                                         "pipeline_repeats > 1, M a multiple of pipe).",
                                 ("gpipe", "1f1b"))
     zero: int = _f(0, "ZeRO stage over the axes that split the batch (data, expert, seq): 0 replicated, 1 optimizer "
                       "state sharded, 3 parameters too (FSDP).",
@@ -548,10 +550,11 @@ def validate(cfg: Config) -> None:
                "parallel.pipeline_repeats" if par.pipeline_repeats != 1 else "parallel.pipeline_schedule")
         raise ConfigError(f"{key}={getattr(par, key.split('.')[1])} has no effect with parallel.pipe=1 (it "
                           "configures the pipeline); remove it or set parallel.pipe > 1")
-    if par.pipeline_schedule == "1f1b" and par.pipeline_repeats != 1:
-        raise ConfigError(f"parallel.pipeline_schedule=1f1b with parallel.pipeline_repeats={par.pipeline_repeats}: "
-                          "interleaved 1F1B is not implemented; use pipeline_repeats=1 with 1f1b, or the circular "
-                          "schedule (pipeline_schedule=gpipe) with repeats")
+    if (par.pipeline_schedule == "1f1b" and par.pipeline_repeats > 1 and par.pipe > 1
+            and (par.microbatches or par.pipe) % par.pipe):
+        raise ConfigError(f"parallel.pipeline_schedule=1f1b with parallel.pipeline_repeats={par.pipeline_repeats} "
+                          f"(interleaved 1F1B) needs parallel.microbatches to be a multiple of parallel.pipe="
+                          f"{par.pipe}; got {par.microbatches}")
     m = cfg.model
     r = m.resolved()
     if r.n_heads % r.n_kv_heads:

@@ -194,7 +194,7 @@ ZERO_AXES = ("data", "expert", "seq")
 EXPERT_ZERO_AXES = ("data", "seq")  # expert weights: their experts dim is already split over expert
 
 
-def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int]) -> None:
+def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int], every: int = 1) -> None:
     """Divisibility of the model by the mesh, with errors naming config keys."""
     m = model.resolved()
     t = sizes["tensor"]
@@ -223,6 +223,10 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
         if m.n_layers % (s_ * r_):
             raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pipe x "
                               f"parallel.pipeline_repeats = {s_ * r_} (stages x layer groups per stage)")
+        if (m.n_layers // every) % (s_ * r_):  # a MoE model stacks groups of moe.every layers
+            raise ConfigError(f"model.n_layers={m.n_layers} / moe.every={every} = {m.n_layers // every} stacked "
+                              f"layer groups is not divisible by parallel.pipe x parallel.pipeline_repeats = "
+                              f"{s_ * r_}; change moe.every, model.n_layers or the pipeline")
         mb = par.microbatches or s_
         if mb < s_:
             raise ConfigError(f"parallel.microbatches={mb} is fewer than the {s_} pipeline stages (parallel.pipe); "

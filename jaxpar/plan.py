@@ -28,9 +28,10 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   (``xla``; flash kernels do not). The layer whose backward runs also holds its MLP hidden's
   gradient and, under tensor parallelism, ``2 d`` of partial sums beside their reduced results.
   Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
-  a GPipe pipeline keeps ``(M + S - 1) / M`` times its stage's share; 1F1B keeps the stage inputs of
-  ``min(M, 2S - 1)`` microbatches and one microbatch's stage activations while its backward runs,
-  and the first stage's input gradients (``tokens x d``). Plus the loss chunk's float32 logits
+  a GPipe pipeline keeps ``(M R + S - 1) / (M R)`` times its stage's share; 1F1B keeps the stage
+  inputs of ``min(M, 2S - 1)`` microbatches (interleaved: ``min(M R, 2RS - 1)`` chunk inputs) and one
+  microbatch's stage (chunk) activations while its backward runs, and the first stage's input
+  gradients (``tokens x d``). Plus the loss chunk's float32 logits
   and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a pipeline's chunks
   are at most one microbatch. The loss runs between the layers' forward and backward: the total
   counts the larger of the logits and one layer's working set, not both (1F1B: both).
@@ -164,7 +165,7 @@ class Planner:
         from jaxpar.partitioning import check_batch_fits, check_model_fits
 
         validate(cfg)
-        check_model_fits(cfg.model, cfg.parallel, sizes)
+        check_model_fits(cfg.model, cfg.parallel, sizes, cfg.moe.every if cfg.model.arch == "moe" else 1)
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, sizes, cfg.parallel.microbatches)
         if cfg.model.arch == "moe" and cfg.moe.dispatch == "sorted" and sizes["pipe"] > 1:
             raise ConfigError("moe.dispatch=sorted with parallel.pipe > 1 is not supported")
@@ -283,7 +284,8 @@ class Planner:
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
         if f1b:
             m_ = par.microbatches or s_
-            act = (min(m_, 2 * s_ - 1) * micro * d + layers * micro * stored
+            r_ = par.pipeline_repeats  # interleaved: the stash holds chunk inputs, a backward recomputes a chunk
+            act = (min(m_ * r_, 2 * r_ * s_ - 1) * micro * d + layers // r_ * micro * stored
                    + micro * working + tokens * d) * ab
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last), its gradient, and the embedding's output gradient

@@ -1,6 +1,6 @@
 """Charts: the pipeline schedule as a Gantt chart (stages against iterations).
 
-    python -m jaxpar.plots --stages 4 --microbatches 8 [--repeats 2 | --schedule 1f1b] --out schedule.png
+    python -m jaxpar.plots --stages 4 --microbatches 8 [--repeats 2] [--schedule 1f1b] --out schedule.png
 """
 
 from __future__ import annotations
@@ -8,20 +8,20 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jaxpar.layers.pipeline import bubble_fraction, schedule, schedule_1f1b
+from jaxpar.layers.pipeline import bubble_fraction, in_flight, schedule, schedule_1f1b
 
 
 def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path, kind: str = "gpipe") -> None:
     """Forward work of each stage per iteration, coloured by microbatch (hatched: later repeats);
     white cells are the bubble. ``kind="1f1b"``: forward (upper half, ``F``) and backward (lower half,
-    ``B``, hatched) cells of the 1F1B schedule."""
+    ``B``, hatched) cells of the 1F1B schedule (interleaved with ``repeats`` > 1: ``F m.chunk``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     if kind == "1f1b":
-        _plot_1f1b(stages, microbatches, path)
+        _plot_1f1b(stages, microbatches, repeats, path)
         return
     grid = schedule(stages, microbatches, repeats)
     iters = len(grid[0])
@@ -48,27 +48,30 @@ def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path
     plt.close(fig)
 
 
-def _plot_1f1b(stages: int, microbatches: int, path: str | Path) -> None:
+def _plot_1f1b(stages: int, microbatches: int, repeats: int, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
-    grid = schedule_1f1b(stages, microbatches)
+    grid = schedule_1f1b(stages, microbatches, repeats)
     iters = len(grid[0])
     cmap = plt.get_cmap("tab20")
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * iters + 1.5), 0.8 * stages + 1.4))
     for s, row in enumerate(grid):
         for t, cell in enumerate(row):
-            for op, m in cell:
+            for op, m, r in cell:
                 y = stages - 1 - s + (0.5 if op == "F" else 0.0)
                 ax.add_patch(plt.Rectangle((t, y), 1, 0.5, facecolor=cmap(m % 20), edgecolor="black",
                                            hatch="//" if op == "B" else None, linewidth=0.5))
-                ax.text(t + 0.5, y + 0.25, f"{op}{m}", ha="center", va="center", fontsize=7)
+                ax.text(t + 0.5, y + 0.25, f"{op}{m}" if repeats == 1 else f"{op}{m}.{r}", ha="center",
+                        va="center", fontsize=7 if repeats == 1 else 6)
     ax.set_xlim(0, iters)
     ax.set_ylim(0, stages)
     ax.set_yticks([stages - 0.5 - s for s in range(stages)], [f"stage {s}" for s in range(stages)])
     ax.set_xlabel("iteration (upper half: forward F, lower half: backward B)")
-    ax.set_title(f"1F1B: {stages} stages, {microbatches} microbatches, {iters} iterations, "
-                 f"bubble {100 * bubble_fraction(stages, microbatches):.1f}%\n"
-                 f"at most {min(microbatches, 2 * stages - 1)} microbatches in flight per stage", fontsize=10)
+    kind = "1F1B" if repeats == 1 else f"interleaved 1F1B, {repeats} chunks per stage (F/B m.chunk)"
+    ax.set_title(f"{kind}: {stages} stages, {microbatches} microbatches, {iters} iterations, "
+                 f"bubble {100 * bubble_fraction(stages, microbatches, repeats):.1f}%\n"
+                 f"at most {max(in_flight(stages, microbatches, repeats))} stage inputs in flight per stage",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -85,9 +88,9 @@ def check_schedule_args(stages: int, microbatches: int, repeats: int, out: str |
         raise ValueError(f"--stages={stages}, --microbatches={microbatches} and --repeats={repeats} must be >= 1")
     if kind not in ("gpipe", "1f1b"):
         raise ValueError(f"--schedule={kind}: choose gpipe or 1f1b")
-    if kind == "1f1b" and repeats > 1:
-        raise ValueError(f"--schedule=1f1b with --repeats={repeats}: interleaved 1F1B is not implemented; "
-                         "use --repeats 1")
+    if kind == "1f1b" and repeats > 1 and microbatches % stages:
+        raise ValueError(f"--schedule=1f1b with --repeats={repeats} (interleaved) needs --microbatches a multiple "
+                         f"of --stages ({stages}); got {microbatches}")
     if repeats > 1 and microbatches < stages:
         raise ValueError(f"a circular schedule (--repeats={repeats}) needs --microbatches >= --stages ({stages}); "
                          f"got {microbatches}")
@@ -110,7 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, required=True)
     ap.add_argument("--microbatches", type=int, required=True)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--schedule", default="gpipe", help="gpipe (circular with --repeats > 1) or 1f1b")
+    ap.add_argument("--schedule", default="gpipe",
+                    help="gpipe (circular with --repeats > 1) or 1f1b (interleaved with --repeats > 1)")
     ap.add_argument("--out", default="pipeline_schedule.png")
     a = ap.parse_args(argv)
     try:

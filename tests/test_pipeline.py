@@ -19,9 +19,9 @@ def loss_grads(cfg):
     first = first_step(cfg)
     t, loss, grads = first["trainer"], first["loss"], first["grads"]
     s, r = t.sizes["pipe"], cfg.parallel.pipeline_repeats
-    if s > 1 and r > 1:  # circular storage is stage-major: put the layers back in order
-        inv = np.argsort(stage_major_order(cfg.model.n_layers, s, r))
-        grads = jax.tree.map(lambda g, ax: g[inv] if ax[:1] == ("layers",) else g, grads, t.adapter.axes,
+    if s > 1 and r > 1:  # circular storage is stage-major: put the layers (MoE: groups) back in order
+        grads = jax.tree.map(lambda g, ax: g[np.argsort(stage_major_order(g.shape[0], s, r))]
+                             if ax[:1] == ("layers",) else g, grads, t.adapter.axes,
                              is_leaf=lambda x: isinstance(x, np.ndarray))
     return float(loss), grads
 
@@ -58,6 +58,12 @@ CASES = [
                        parallel__pipeline_schedule="1f1b")),
     ("moe_every2", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4,
                         parallel__pipeline_schedule="1f1b")),
+    # interleaved 1F1B (2 chunks per stage): M = S, 2S, with data and tensor, MoE
+    ("gpt2", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__pipeline_schedule="1f1b")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=4, parallel__data=2,
+                       parallel__tensor=2, parallel__pipeline_schedule="1f1b")),
+    ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_repeats=2, parallel__microbatches=4,
+                 parallel__pipeline_schedule="1f1b")),
 ]
 # MoE through the pipeline: router losses weighted 0 (their batch-mean products change with the
 # microbatching); nothing drops (capacity factor E/k), so cross-entropy and gradients are exact.
@@ -110,8 +116,9 @@ def _report(**layout):
 
 
 @pytest.mark.parametrize("sched", [dict(), dict(parallel__pipeline_repeats=2),
-                                   dict(parallel__pipeline_schedule="1f1b")],
-                         ids=["gpipe", "circular", "1f1b"])
+                                   dict(parallel__pipeline_schedule="1f1b"),
+                                   dict(parallel__pipeline_schedule="1f1b", parallel__pipeline_repeats=2)],
+                         ids=["gpipe", "circular", "1f1b", "interleaved_1f1b"])
 def test_pipe_traffic_is_point_to_point(sched):
     """What crosses ``pipe`` per step, counted in the compiled program at M = S and M = 8S (S = 2):
     nothing of the batch crosses pipe but the stage shifts (collective-permutes), within 1.1x of the
@@ -129,8 +136,8 @@ def test_pipe_traffic_is_point_to_point(sched):
                            parallel__microbatches=m, train__batch_size=2 * m * 2, **sched)).compile()["collectives"]
         cp, ag = c["collective-permute"]["by_axes"]["pipe"], c["all-gather"]
         assert ag["count"] == 0, ag
-        if f1b:  # forwards in the warm-up and steady loops, backwards in the steady loop
-            count = 2 * m + 3 * (2 - 1)
+        if f1b:  # forwards in every iteration, backwards in the steady loop's (M R + S - 1)
+            count = (m * r + r * 2 + 2 - 2) + (m * r + 2 - 1)
         else:  # one shift each way per iteration, M R + S - 1 iterations
             count = 2 * (m * r + 2 - 1)
         assert cp["count"] == count and cp["bytes"] == count * act, (cp, count)
@@ -193,29 +200,58 @@ def test_1f1b_schedule():
         grid = schedule_1f1b(s_, m_)
         assert all(len(row) == m_ + 2 * (s_ - 1) for row in grid)
         for m in range(m_):
-            f = [next(t for t, c in enumerate(row) if ("F", m) in c) for row in grid]
-            b = [next(t for t, c in enumerate(row) if ("B", m) in c) for row in grid]
+            f = [next(t for t, c in enumerate(row) if ("F", m, 0) in c) for row in grid]
+            b = [next(t for t, c in enumerate(row) if ("B", m, 0) in c) for row in grid]
             assert f == list(range(f[0], f[0] + s_)) and b == list(range(b[0], b[0] - s_, -1))
             assert b[s_ - 1] == f[s_ - 1] and all(bs > fs for bs, fs in zip(b[:-1], f[:-1]))
         assert in_flight(s_, m_) == [min(m_, 2 * (s_ - 1 - s) + 1) for s in range(s_)]
         assert max(in_flight(s_, m_)) <= stash_slots(s_)
         # time: iterations with only forwards cost F, only backwards B, both F + B; with B = 2F
-        cost = sum(3 if {op for row in grid for op, _ in row[t]} == {"F", "B"} else
-                   (1 if all(op == "F" for row in grid for op, _ in row[t]) else 2) for t in range(len(grid[0])))
+        cost = sum(3 if {op for row in grid for op, _, _ in row[t]} == {"F", "B"} else
+                   (1 if all(op == "F" for row in grid for op, _, _ in row[t]) else 2) for t in range(len(grid[0])))
         assert abs(1 - 3 * m_ / cost - bubble_fraction(s_, m_)) < 1e-12
 
 
+def test_interleaved_1f1b_schedule():
+    """R chunks per stage: every (microbatch, chunk) runs forward and backward once per stage; a forward
+    is on the next stage (chunk r + 1 on stage 0 after chunk r on the last) exactly one iteration after
+    the previous one (a shift arrives for one iteration only), a backward likewise in reverse, the last
+    stage's last chunk starts a backward in the iteration of its forward; a stage does at most one of
+    each per iteration, holds at most 2RS - 1 chunk inputs whatever M, and idles (S-1)/(MR+S-1) of the
+    time in chunk forward + backward units (the circular schedule's bubble)."""
+    for s_, m_, r_ in [(2, 2, 2), (2, 8, 2), (4, 8, 2), (3, 6, 3), (4, 32, 2)]:
+        grid = schedule_1f1b(s_, m_, r_)
+        assert all(len(row) == m_ * r_ + r_ * s_ + s_ - 2 for row in grid)
+        at = {(op, m, r, s): t for s, row in enumerate(grid) for t, cell in enumerate(row) for op, m, r in cell}
+        assert len(at) == 2 * m_ * r_ * s_
+        assert all(sum(op == k for op, _, _ in cell) <= 1 for row in grid for cell in row for k in "FB")
+        for m in range(m_):
+            hops = [(r, s) for r in range(r_) for s in range(s_)]  # the virtual stages, in order
+            f = [at["F", m, r, s] for r, s in hops]
+            b = [at["B", m, r, s] for r, s in hops]
+            assert f == list(range(f[0], f[0] + r_ * s_)) and b == list(range(b[0], b[0] - r_ * s_, -1))
+            assert b[-1] == f[-1]
+        assert max(in_flight(s_, m_, r_)) <= stash_slots(s_, r_)
+        cost = sum(3 if {op for row in grid for op, _, _ in row[t]} == {"F", "B"} else
+                   (1 if all(op == "F" for row in grid for op, _, _ in row[t]) else 2) for t in range(len(grid[0])))
+        assert abs(1 - 3 * m_ * r_ / cost - bubble_fraction(s_, m_, r_)) < 1e-12
+    assert in_flight(4, 32, 2) == in_flight(4, 8, 2)  # flat in M
+
+
 def test_1f1b_memory_stays_flat_in_microbatches():
-    """Per-device temporaries of the compiled step at a fixed microbatch size (2 layers, pipe=2): 1F1B at M = 8S within
-    1.3x of M = S (its stages hold at most 2S - 1 microbatches); GPipe's grow with M (all of them)."""
+    """Per-device temporaries of the compiled step at a fixed microbatch size (pipe=2): 1F1B at M = 8S within
+    1.3x of M = S (its stages hold at most 2S - 1 microbatches), interleaved 1F1B too (2 chunks per stage:
+    at most 2RS - 1 chunk inputs); GPipe's grow with M (all of them)."""
     temp = {}
-    for sched in ("gpipe", "1f1b"):
+    for sched, r in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)):
         for m in (2, 16):
-            t = trainer(config("llama", model__n_layers=2, parallel__pipe=2, parallel__microbatches=m,
-                               parallel__pipeline_schedule=sched, train__batch_size=4 * m), 2)
-            temp[sched, m] = t.compile()["memory"]["temp_size"]
+            t = trainer(config("llama", model__n_layers=2 * r, parallel__pipe=2, parallel__microbatches=m,
+                               parallel__pipeline_repeats=r, parallel__pipeline_schedule=sched,
+                               train__batch_size=4 * m), 2)
+            temp[sched + "x" * (r - 1), m] = t.compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 2], temp
+    assert temp["1f1bx", 16] <= 1.3 * temp["1f1bx", 2], temp
     assert temp["gpipe", 16] >= 3 * temp["gpipe", 2], temp
 
 
@@ -227,7 +263,10 @@ def test_schedule_chart(tmp_path):
     assert main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(tmp_path / "f.png")]) == 0
     assert (tmp_path / "f.png").stat().st_size > 5000
     assert main(["--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--repeats", "2",
-                 "--out", str(tmp_path / "g.png")]) == 2
+                 "--out", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").stat().st_size > 5000
+    assert main(["--stages", "4", "--microbatches", "6", "--schedule", "1f1b", "--repeats", "2",
+                 "--out", str(tmp_path / "h.png")]) == 2
 
 
 @pytest.mark.parametrize("layout, needle", [
@@ -237,8 +276,10 @@ def test_schedule_chart(tmp_path):
     (dict(**L4, parallel__pipe=2, parallel__microbatches=3), "must split into parallel.microbatches=3"),
     (dict(**L4, parallel__pipe=2, parallel__data=4, parallel__microbatches=8), "each divisible by the batch-parallel"),
     (dict(**L4, parallel__pipe=2, parallel__data=2, parallel__zero=3), "parallel.zero=3 with parallel.pipe > 1"),
-    (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=2, parallel__pipeline_schedule="1f1b"),
-     "interleaved 1F1B is not implemented"),
+    (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=3,
+          parallel__pipeline_schedule="1f1b"), "needs parallel.microbatches to be a multiple of parallel.pipe=2"),
+    (dict(**L4, model__arch="moe", moe__every=2, parallel__pipe=2, parallel__pipeline_repeats=2),
+     "moe.every=2 = 2 stacked layer groups is not divisible by parallel.pipe x parallel.pipeline_repeats = 4"),
     (dict(**L4, parallel__pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
     (dict(**L4, parallel__pipe=2, parallel__pipeline_schedule="pipedream"), "parallel.pipeline_schedule"),
 ])

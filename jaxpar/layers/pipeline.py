@@ -301,10 +301,33 @@ def _put(buf: jax.Array, value: jax.Array, slot, ok) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), slot, 0)
 
 
-def stash_slots(stages: int) -> int:
-    """Microbatches whose stage inputs a 1F1B stage holds at once: stage s keeps microbatch m from
-    its forward (iteration m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0)."""
-    return 2 * stages - 1
+def stash_slots(stages: int, repeats: int = 1) -> int:
+    """Stage inputs a 1F1B stage holds at once: stage s keeps microbatch m from its forward (iteration
+    m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0); interleaved (R chunks
+    per stage), a chunk's input from its forward to its backward, at most 2RS - 1 chunk inputs (each
+    1/R of the stage's layers)."""
+    return 2 * repeats * stages - 1
+
+
+def _f1b_slot(m, r, stages: int, repeats: int):
+    """The forward slot of (microbatch m, chunk r) under 1F1B: its forward runs on stage s at iteration
+    slot + s. Interleaved (R > 1), microbatches go in groups of S, each group through chunk 0 of every
+    stage, then chunk 1, ... (Megatron's order), so that a chunk's output reaches the next chunk on
+    stage 0 just in time; with R = 1 the slot is m."""
+    return (m // stages) * repeats * stages + r * stages + m % stages
+
+
+def _f1b_unslot(k, stages: int, repeats: int):
+    """``(m, r)`` of forward slot k (the inverse of :func:`_f1b_slot`; numbers or traced arrays)."""
+    rs = repeats * stages
+    return (k // rs) * stages + k % stages, (k % rs) // stages
+
+
+def _f1b_backward_at(m, r, s, stages: int, repeats: int):
+    """The iteration of the backward of (microbatch m, chunk r) on stage s: the forward order mirrored,
+    chunks last to first, starting RS - 1 + S - 1 - s iterations in (the last chunk of the last stage
+    runs a microbatch's backward in the iteration of its forward)."""
+    return repeats * stages - 1 + stages - 1 - s + _f1b_slot(m, repeats - 1 - r, stages, repeats)
 
 
 def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
@@ -317,7 +340,7 @@ def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
 
 
 def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
-                stages: int, microbatches: int, primal, ys_weights=None):
+                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1):
     """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
 
     ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
@@ -332,9 +355,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     per-layer outputs averaged over microbatches, for metrics only (no gradient flows back through
     them). Without differentiation ``primal(params, outer, tokens, targets)`` computes the same two
     values (the GPipe forward); under ``jax.grad`` the forwards and backwards run interleaved (a
-    ``custom_vjp`` whose forward computes the gradients, which its backward scales).
+    ``custom_vjp`` whose forward computes the gradients, which its backward scales). With ``repeats``
+    R > 1 (interleaved 1F1B; M a multiple of S) each stage holds R chunks of its layers in storage
+    order (stage-major, as the circular schedule: :func:`stage_major_order`) and a microbatch goes
+    round the ring R times, in the order of :func:`_f1b_slot` (groups of S microbatches through chunk 0
+    of every stage, then chunk 1, ...; backwards mirrored): M R + R S + S - 2 iterations, at most
+    2RS - 1 chunk inputs held per stage, the circular schedule's bubble.
 
-    Schedule (:func:`schedule_1f1b`): on iteration t stage s runs the forward of microbatch t - s and the
+    Schedule (:func:`schedule_1f1b`; R = 1): on iteration t stage s runs the forward of microbatch t - s and the
     backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in two loops:
     S - 1 warm-up iterations of forwards only, then one forward and one backward per iteration (the
     forward skipped by a ``lax.cond`` on t, the same on every stage, in the last S - 1). The last stage
@@ -352,21 +380,25 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     gradient on the last only (both computed everywhere and masked, as bubble work is: see
     :func:`_when`). What crosses ``pipe``: one ``ppermute`` of a microbatch's activations forward and
     one of a gradient backward per iteration (2M + 3(S-1) in all: the warm-up sends no gradient; against
-    the minimum 2M), and once per step the sum over stages of
+    the minimum 2M; interleaved 2MR + RS + 2S - 3 against 2MR), and once per step the sum over stages of
     the embedding / head gradients (each nonzero on one stage only) and of the loss.
     """
-    s_, m_ = stages, microbatches
-    k_ = stash_slots(s_)
+    s_, m_, r_ = stages, microbatches, repeats
+    if r_ > 1 and m_ % s_:
+        raise ValueError(f"interleaved 1F1B needs the microbatches ({m_}) to be a multiple of the stages ({s_})")
+    k_ = stash_slots(s_, r_)
     b = tokens.shape[0]
     mb = b // m_
     rules = _rules()
     leaves, treedef = jax.tree.flatten(params)
     outer_leaves, outer_def = jax.tree.flatten(outer)
-    n_local = leaves[0].shape[0] // s_
+    lg = leaves[0].shape[0] // (s_ * r_)  # layers per chunk
     has_ys = ys_weights is not None
+    n_iters = m_ * r_ + r_ * s_ + s_ - 2  # the last backward: _f1b_backward_at(M - 1, 0, 0)
+    warm = r_ * s_ - 1  # iterations before the first backward (the last stage's, of microbatch 0)
 
-    def stage(group_leaves, x):  # the stage's layers, each selected inside its remat (see `pipeline`)
-        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(0, n_local))
+    def stage(group_leaves, x, r=0):  # chunk r of the stage's layers, each selected inside its remat
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(r * lg if r_ > 1 else 0, lg))
 
     def ys_cotangent(ys):
         return {k: jnp.full(y.shape, ys_weights.get(k, 0.0) / m_, y.dtype) for k, y in ys.items()}
@@ -376,10 +408,11 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), targets[:mb])
     outer_used = sorted(set(first_used) | set(last_used))
     act = ("batch", "res_length", "act_embed")
-    group = [jax.ShapeDtypeStruct((n_local, *a.shape[1:]), a.dtype) for a in leaves]
+    group = [jax.ShapeDtypeStruct((r_ * lg, *a.shape[1:]), a.dtype) for a in leaves]
     ys_shape = jax.eval_shape(stage, group, x0)[1] if has_ys else None  # a stage's per-layer outputs
-    fwd_perm = [(s, s + 1) for s in range(s_ - 1)]
-    bwd_perm = [(s + 1, s) for s in range(s_ - 1)]
+    # interleaved: the last stage's chunk r feeds stage 0's chunk r + 1 (and its gradient goes back)
+    fwd_perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
+    bwd_perm = [(d, s) for s, d in fwd_perm]
 
     def local(p_leaves, o_leaves, toks, tgts):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
@@ -401,41 +434,49 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves],
             douter={i: jnp.zeros(o_leaves[i].shape, o_leaves[i].dtype) for i in outer_used},
             loss=jnp.zeros((), jnp.float32),
-            ys=(jax.tree.map(lambda y: jnp.zeros(y.shape, jnp.float32), ys_shape) if has_ys else None),
+            ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None),
         )
 
         def forward(t, c):
-            """Microbatch t - s into the stage (stage 0 embeds it), its input stashed for the backward."""
+            """Forward slot t - s (:func:`_f1b_slot`: microbatch fm through chunk fr) into the stage (stage 0
+            embeds the microbatch for chunk 0), its input stashed for the backward."""
             c = dict(c)
-            f_ok = (t - s >= 0) & (t - s < m_)
-            fm = jnp.clip(t - s, 0, m_ - 1)
-            x = _when(s == 0, lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype), lambda c: c["fwd"], c)
+            k = jnp.clip(t - s, 0, m_ * r_ - 1)
+            f_ok = (t - s >= 0) & (t - s < m_ * r_)
+            fm, fr = _f1b_unslot(k, s_, r_)
+            x = _when((s == 0) & (fr == 0), lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype),
+                      lambda c: c["fwd"], c)
             x = constrain(x, act)
-            y, ys = stage(p_leaves, x) if has_ys else (stage(p_leaves, x), None)
-            c["stash"] = _put(c["stash"], x, fm % k_, f_ok)
+            y, ys = stage(p_leaves, x, fr) if has_ys else (stage(p_leaves, x, fr), None)
+            c["stash"] = _put(c["stash"], x, k % k_, f_ok)
             if has_ys:
-                c["ys"] = jax.tree.map(lambda a, v: a + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0), c["ys"], ys)
+                c["ys"] = jax.tree.map(lambda a, v: _put(a, a[fr] + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0),
+                                                         fr, True), c["ys"], ys)
             return c, y.astype(x0.dtype)
 
         def backward(t, c, y):
-            """Microbatch t - 2(S-1) + s back through the stage: the last stage starts it from the loss
-            of ``y`` (its forward of this iteration), stage 0 ends it in the embedding's gradient."""
+            """The backward of microbatch bmm through chunk br (:func:`_f1b_backward_at`): the last stage's
+            last chunk starts it from the loss of ``y`` (its forward of this iteration), stage 0's chunk 0
+            ends it in the embedding's gradient."""
             c = dict(c)
-            bm = t - 2 * (s_ - 1) + s
-            b_ok = (bm >= 0) & (bm < m_)
-            bmm = jnp.clip(bm, 0, m_ - 1)
+            kb = t - warm - (s_ - 1 - s)
+            b_ok = (kb >= 0) & (kb < m_ * r_)
+            bmm, rr = _f1b_unslot(jnp.clip(kb, 0, m_ * r_ - 1), s_, r_)
+            br = r_ - 1 - rr
+            last = (s == s_ - 1) & (br == r_ - 1)  # the last chunk of the last stage: the loss starts it
             if y is None:  # no forward this iteration: not the last stage's turn
                 g = c["bwd"]
             else:
                 loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
                                     [o_leaves[i] for i in last_used], y)
                 d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
-                last_ok = (s == s_ - 1) & b_ok
+                last_ok = last & b_ok
                 c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
                 c["douter"] = add(c["douter"], last_used, [jnp.where(last_ok, d, 0) for d in d_last])
-                g = jnp.where(s == s_ - 1, dy.astype(x0.dtype), c["bwd"])
-            x = jax.lax.dynamic_index_in_dim(c["stash"], bmm % k_, 0, keepdims=False)
-            out, pullback = jax.vjp(stage, p_leaves, x)  # the stage's forward again (its remat policy)
+                g = jnp.where(last, dy.astype(x0.dtype), c["bwd"])
+            x = jax.lax.dynamic_index_in_dim(c["stash"], _f1b_slot(bmm, br, s_, r_) % k_, 0, keepdims=False)
+            # the chunk's forward again (its remat policy)
+            out, pullback = jax.vjp(lambda p, x: stage(p, x, br), p_leaves, x)
             if has_ys:
                 dgroup, dx = pullback((constrain(g, act), ys_cotangent(out[1])))
             else:
@@ -444,7 +485,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
             # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
             # reduction over the batch axes would run once per microbatch); used on stage 0 only
-            c["dins"] = _put(c["dins"], dx, bmm, b_ok)
+            c["dins"] = _put(c["dins"], dx, bmm, b_ok & (br == 0))
             return c, dx
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
@@ -452,7 +493,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             def iteration(c, t):
                 y = dx = None
                 if do_f and do_b:  # the cool-down's iterations (t the same on every stage) have no forward
-                    c, y = jax.lax.cond(t < m_ + s_ - 1, lambda c: forward(t, c),
+                    c, y = jax.lax.cond(t < m_ * r_ + s_ - 1, lambda c: forward(t, c),
                                         lambda c: (c, jnp.zeros(x0.shape, x0.dtype)), c)
                 elif do_f:
                     c, y = forward(t, c)
@@ -473,8 +514,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         # forward skipped in the last S - 1 (cool-down). A loop of its own for the cool-down would send S - 1
         # fewer activations but, on XLA:CPU, give its body its own temporaries (as a warm-up loop carrying
         # more than it uses does)
-        c.update(phase({k: c[k] for k in ("fwd", "stash", "ys")}, 0, s_ - 1, True, False))
-        c = phase(c, s_ - 1, m_ + 2 * (s_ - 1), True, True)
+        c.update(phase({k: c[k] for k in ("fwd", "stash", "ys")}, 0, warm, True, False))
+        c = phase(c, warm, n_iters, True, True)
 
         def embed_grads(douter):  # stage 0: the embedding's weight gradients, over the whole batch at once
             _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), _batch_of(toks, b, ("batch", "length"))),
@@ -485,7 +526,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
         # over pipe once (zeros elsewhere)
         douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
-        return jax.lax.psum(c["loss"], "pipe"), douter, c["dgroups"], c["ys"]
+        ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
+        return jax.lax.psum(c["loss"], "pipe"), douter, c["dgroups"], ys
 
     def run(p_leaves, o_leaves, tokens, targets):
         stage_spec = [P("pipe")] * len(p_leaves)
@@ -532,31 +574,35 @@ def _when(pred, fn, skip, operand):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
 
 
-def schedule_1f1b(stages: int, microbatches: int) -> list[list[tuple[tuple[str, int], ...]]]:
-    """``grid[s][t]``: the work of stage s at iteration t under 1F1B, a tuple of ``("F", m)`` (forward of
-    microbatch m) and ``("B", m)`` (its backward), empty in the bubble; the rule :func:`one_f_one_b`
-    follows: forward of m at t = m + s, backward at t = m + 2(S-1) - s. M + 2(S-1) iterations; the first
-    S - 1 run forwards only and the last S - 1 backwards only, so in time units of a forward (F) and a
-    backward (B) the schedule takes (M + S - 1)(F + B) and each stage idles (S-1)/(M+S-1) of it, as GPipe."""
-    s_, m_ = stages, microbatches
-    grid: list[list[tuple[tuple[str, int], ...]]] = [[() for _ in range(m_ + 2 * (s_ - 1))] for _ in range(s_)]
+def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[tuple[str, int, int], ...]]]:
+    """``grid[s][t]``: the work of stage s at iteration t under 1F1B, a tuple of ``("F", m, r)`` (forward
+    of microbatch m through the stage's chunk r) and ``("B", m, r)`` (its backward), empty in the bubble;
+    the rule :func:`one_f_one_b` follows (:func:`_f1b_slot`, :func:`_f1b_backward_at`). R = 1: forward
+    of m at t = m + s, backward at t = m + 2(S-1) - s, M + 2(S-1) iterations. R > 1 (interleaved; M a
+    multiple of S): M R + R S + S - 2 iterations. The first RS - 1 run forwards only and the last
+    RS - 1 backwards only, so in time units of a chunk's forward (F) and backward (B) the schedule
+    takes (M R + S - 1)(F + B) and each stage idles (S-1)/(M R+S-1) of it, as the circular schedule."""
+    s_, m_, r_ = stages, microbatches, repeats
+    iters = m_ * r_ + r_ * s_ + s_ - 2
+    grid: list[list[tuple[tuple[str, int, int], ...]]] = [[() for _ in range(iters)] for _ in range(s_)]
     for s in range(s_):
         for m in range(m_):
-            grid[s][m + s] += (("F", m),)
-            grid[s][m + 2 * (s_ - 1) - s] += (("B", m),)
+            for r in range(r_):
+                grid[s][_f1b_slot(m, r, s_, r_) + s] += (("F", m, r),)
+                grid[s][_f1b_backward_at(m, r, s, s_, r_)] += (("B", m, r),)
     return grid
 
 
-def in_flight(stages: int, microbatches: int) -> list[int]:
-    """Per stage, the most microbatches whose input a 1F1B stage holds at once (forwarded, not yet
-    backwarded): min(M, 2(S-1-s) + 1), at most :func:`stash_slots`."""
-    grid = schedule_1f1b(stages, microbatches)
+def in_flight(stages: int, microbatches: int, repeats: int = 1) -> list[int]:
+    """Per stage, the most chunk inputs a 1F1B stage holds at once (forwarded, not yet backwarded):
+    R = 1, min(M, 2(S-1-s) + 1) microbatches; at most :func:`stash_slots`."""
+    grid = schedule_1f1b(stages, microbatches, repeats)
     out = []
     for row in grid:
         live, peak = 0, 0
         for cell in row:
-            live += sum(op == "F" for op, _ in cell)
+            live += sum(op == "F" for op, _, _ in cell)
             peak = max(peak, live)
-            live -= sum(op == "B" for op, _ in cell)
+            live -= sum(op == "B" for op, _, _ in cell)
         out.append(peak)
     return out

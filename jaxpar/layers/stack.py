@@ -150,4 +150,4 @@ class Stack:
         if rules.parallel.pipeline_schedule != "1f1b":
             return primal(state, outer, tokens, targets)
         return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
-                           primal=primal, ys_weights=weights)
+                           repeats=r_, primal=primal, ys_weights=weights)
