@@ -76,10 +76,14 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
     if kind == "1f1b":
         from jaxpar.layers.pipeline import in_flight
 
-        what = "1F1B" if r == 1 else f"interleaved 1F1B ({r} chunks per stage)"
-        log(f"pipeline: {what}, {stages} stages, {m} microbatches: {m * r + r * stages + stages - 2} iterations, "
-            f"at most {max(in_flight(stages, m, r))} stage inputs held per stage, bubble (S-1)/(M*R+S-1) = "
-            f"{100 * bubble:.1f}%")
+        if r == 1:
+            log(f"pipeline: 1F1B, {stages} stages, {m} microbatches: {m + 2 * (stages - 1)} iterations, at most "
+                f"{min(m, 2 * stages - 1)} microbatches' stage inputs held per stage, bubble (S-1)/(M+S-1) = "
+                f"{100 * bubble:.1f}%")
+        else:
+            log(f"pipeline: interleaved 1F1B ({r} chunks per stage), {stages} stages, {m} microbatches: "
+                f"{m * r + r * stages + stages - 2} iterations, at most {max(in_flight(stages, m, r))} chunk inputs "
+                f"held per stage, bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
     else:
         log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "
             f"bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
