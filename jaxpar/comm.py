@@ -217,6 +217,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
     recompute_ar = int("out_proj" not in kept)
     block_ar = 2 * fwd_runs + 2 * bwd_runs + recompute_ar * redo_runs  # attention-out and MLP-down, and transposes
+    if f1b and m.n_layers == s_ * r_:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
+        block_ar -= k * f1b_steady  # the chunk's output, is unused by the backward and XLA drops its all-reduce
     every = cfg.moe.every if m.arch == "moe" else 1
     shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts
     hk, lk = k * head_runs, k * lookup_runs

@@ -40,6 +40,10 @@ LAYOUTS = {
                                 parallel__pipeline_schedule="1f1b", parallel__microbatches=4)),
     # ZeRO-1: the embedding / head gradients are reduced over data first, then only the shard summed over pipe
     "pipe-zero1": ("llama", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, model__n_layers=4)),
+    # interleaved: one-layer chunks (XLA drops the recompute's MLP-down all-reduce)
+    "pipe-1f1b-interleaved": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
+                                            parallel__pipeline_schedule="1f1b", parallel__pipeline_repeats=2,
+                                            parallel__microbatches=4)),
     "pipe-1f1b-moe-tied": ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__expert=2, model__n_layers=4,
                                         model__arch="moe", moe__n_experts=4, parallel__pipeline_schedule="1f1b")),
     "expert": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4)),
