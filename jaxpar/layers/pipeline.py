@@ -80,8 +80,9 @@ def _shift(stages: int, step: int, ring: bool = False):
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
              outputs: bool = False, param_axes: list[tuple] | None = None):
-    """See :func:`_pipeline` (which runs under the rules inside the stages); ``x`` and the result are
-    in the caller's layout (e.g. the batch also split over ``pipe``)."""
+    """The stack's output for ``x`` (see :func:`_pipeline`): the last stage's, summed over ``pipe`` once
+    (the others' zeroed). For a forward only (logits, generation); the training loss runs the
+    embedding and the head inside the pipeline (:func:`pipeline_loss`, :func:`one_f_one_b`)."""
     out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
                     outputs=outputs, param_axes=param_axes)
     y, ys = out if outputs else (out, None)
@@ -305,7 +306,7 @@ def stash_slots(stages: int, repeats: int = 1) -> int:
     """Stage inputs a 1F1B stage holds at once: stage s keeps microbatch m from its forward (iteration
     m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0); interleaved (R chunks
     per stage), a chunk's input from its forward to its backward, at most 2RS - 1 chunk inputs (each
-    1/R of the stage's layers)."""
+    a microbatch's activations, the input of 1/R of the stage's layers)."""
     return 2 * repeats * stages - 1
 
 
@@ -450,8 +451,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             y, ys = stage(p_leaves, x, fr) if has_ys else (stage(p_leaves, x, fr), None)
             c["stash"] = _put(c["stash"], x, k % k_, f_ok)
             if has_ys:
-                c["ys"] = jax.tree.map(lambda a, v: _put(a, a[fr] + jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0),
-                                                         fr, True), c["ys"], ys)
+                c["ys"] = jax.tree.map(lambda a, v: a.at[fr].add(jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0)),
+                                       c["ys"], ys)
             return c, y.astype(x0.dtype)
 
         def backward(t, c, y):
