@@ -125,11 +125,43 @@ class ModelConfig:
                             "a resumed run continues from its checkpoint instead. See the README.")
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
     norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
-    mlp: str | None = _f(None, "gelu or swiglu (default from style).", ("gelu", "swiglu"))
+    mlp: str | None = _f(None, "gelu, swiglu (SiLU-gated) or geglu (tanh-GELU-gated, Gemma) (default from style).",
+                         ("gelu", "swiglu", "geglu"))
     tie_embeddings: bool | None = _f(None, "Share the input embedding with the output head (default from style).")
     bias: bool | None = _f(None, "Biases in linear layers and norms (default from style).")
+    qkv_bias: bool | None = _f(None, "Biases on the Q, K and V projections (Qwen2.5) whatever model.bias says; "
+                                     "default: model.bias. A key bias is kept only where it can matter (RoPE or "
+                                     "QK-norm after it); with learned positions softmax ignores it.")
+    qk_norm: bool = _f(False, "RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3), one weight "
+                              "of head_dim shared by the heads.")
+    norm_placement: str = _f("pre", "pre: x + f(norm(x)); sandwich: x + norm(f(norm(x))), a second norm on each "
+                                    "attention and MLP output (Gemma 2/3).", ("pre", "sandwich"))
+    norm_plus_one: bool = _f(False, "RMSNorm scales by (1 + weight), the weight stored as such (Gemma).")
+    embed_scale: bool = _f(False, "Multiply the token embeddings by sqrt(d_model) (Gemma).")
+    attn_scale: float = _f(0.0, "Multiplier of the attention scores; 0 = 1/sqrt(head_dim) (Gemma 3: "
+                                "query_pre_attn_scalar**-0.5).", range=NONNEGATIVE)
     norm_eps: float = _f(1e-5, "Epsilon of the normalisation layers.", range=ABOVE_ZERO)
-    rope_theta: float = _f(10000.0, "RoPE base frequency.", range=ABOVE_ZERO)
+    rope_theta: float = _f(10000.0, "RoPE base frequency (of the global layers when model.rope_local_theta is set).",
+                           range=ABOVE_ZERO)
+    rope_scaling: str = _f("none", "RoPE frequency scaling of the global layers: none, linear (positions / "
+                                   "rope_factor) or llama3 (Llama 3.1: low frequencies / rope_factor, a smooth "
+                                   "band between rope_low_freq_factor and rope_high_freq_factor of "
+                                   "rope_original_context).", ("none", "linear", "llama3"))
+    rope_factor: float = _f(8.0, "RoPE scaling factor (rope_scaling linear / llama3).", range=Range(1))
+    rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: wavelengths above rope_original_context / this are "
+                                          "divided by rope_factor.", range=ABOVE_ZERO)
+    rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: wavelengths below rope_original_context / this are "
+                                           "kept.", range=ABOVE_ZERO)
+    rope_original_context: int = _f(8192, "llama3 RoPE scaling: the context the model was pre-trained at.",
+                                    range=POSITIVE)
+    sliding_window: int = _f(0, "Sliding-window attention: a query sees the last this many positions (itself "
+                                "included); 0 = unlimited causal (Mistral: 4096; Gemma 3's local layers: 512-1024).",
+                             range=NONNEGATIVE)
+    global_every: int = _f(0, "With model.sliding_window: every this-many-th layer (the last of each group: layers "
+                              "N-1, 2N-1, ...) attends globally, the others in the window (Gemma 3: 6); 0 = every "
+                              "layer uses the window.", range=NONNEGATIVE)
+    rope_local_theta: float = _f(0.0, "RoPE base of the sliding-window layers, without scaling (Gemma 3: 10000); "
+                                      "0 = the same RoPE as the global layers.", range=NONNEGATIVE)
     init_std: float = _f(0.02, "Std of the normal initialiser (residual projections scaled by 1/sqrt(2*n_layers)).",
                          range=ABOVE_ZERO)
     remat: str = _f("none", "Rematerialisation policy of each block (what it keeps for the backward): none "
@@ -165,7 +197,18 @@ class ModelConfig:
             c.head_dim = c.d_model // c.n_heads
         if c.d_ff == 0:
             c.d_ff = 4 * c.d_model if c.mlp == "gelu" else 64 * -(-(8 * c.d_model // 3) // 64)
+        c.qkv_bias = c.bias if c.qkv_bias is None else c.qkv_bias
         return c
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (two up projections, fused: SwiGLU or GeGLU)."""
+        return self.mlp in ("swiglu", "geglu")
+
+    def layer_windows(self) -> list[int]:
+        """Each layer's attention window (0: global), from ``sliding_window`` and ``global_every``."""
+        w, every = self.sliding_window, self.global_every
+        return [0 if not w or (every and (i + 1) % every == 0) else w for i in range(self.n_layers)]
 
 
 @dataclass
@@ -561,6 +604,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_kv_heads={r.n_kv_heads} must divide model.n_heads={r.n_heads}")
     if r.positions == "rope" and r.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head dim; got {r.head_dim} (model.head_dim / d_model/n_heads)")
+    if r.global_every and not r.sliding_window:
+        raise ConfigError(f"model.global_every={r.global_every} interleaves sliding-window and global layers: it needs "
+                          "model.sliding_window > 0")
+    if r.rope_local_theta and not (r.sliding_window and r.positions == "rope"):
+        raise ConfigError(f"model.rope_local_theta={r.rope_local_theta:g} is the RoPE base of sliding-window layers: it "
+                          "needs model.sliding_window > 0 and model.positions=rope")
+    if r.rope_scaling != "none" and r.positions != "rope":
+        raise ConfigError(f"model.rope_scaling={r.rope_scaling} scales RoPE: it needs model.positions=rope")
+    if r.rope_scaling == "llama3" and r.rope_low_freq_factor >= r.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={r.rope_low_freq_factor:g} must be below "
+                          f"model.rope_high_freq_factor={r.rope_high_freq_factor:g} (rope_scaling=llama3)")
+    if r.norm_plus_one and r.norm != "rmsnorm":
+        raise ConfigError("model.norm_plus_one=true is an RMSNorm form (Gemma): it needs model.norm=rmsnorm")
+    if r.arch == "moe" and r.global_every:
+        raise ConfigError(f"model.global_every={r.global_every} (layers that differ) is not supported with "
+                          "model.arch=moe yet; use one window for every layer (model.global_every=0)")
     t = cfg.train
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty: name the run directory (e.g. runs/my_run)")

@@ -47,7 +47,7 @@ def layer_matmul_params(cfg: Config, moe: bool) -> int:
     m = cfg.model.resolved()
     d, hd = m.d_model, m.head_dim
     attn = d * (m.n_heads + 2 * m.n_kv_heads) * hd + m.n_heads * hd * d
-    per_mlp = 3 if m.mlp == "swiglu" else 2
+    per_mlp = 3 if m.gated else 2
     if not moe:
         return attn + per_mlp * d * m.d_ff
     return attn + d * cfg.moe.n_experts + cfg.moe.top_k * per_mlp * d * (cfg.moe.d_ff or m.d_ff)

@@ -103,32 +103,39 @@ def empty_cache(model, batch: int, length: int, dtype=jnp.float32) -> dict:
             for name, lead in _attention_layers(model)}
 
 
-def _block(block, x, positions, cache):
-    """One pre-norm block (dense or MoE) on ``x [B, T, d]`` with its layer's cache."""
-    h, cache = block.attn.decode(block.norm1(x), positions, cache)
-    x = x + h
-    y = block.mlp(block.norm2(x))
-    return x + (y[0] if isinstance(y, tuple) else y), cache  # a MoE layer returns (y, router stats)
+def _block(block, x, positions, cache, window=None):
+    """One block (dense or MoE) on ``x [B, T, d]`` with its layer's cache (``window``: the layer's own when
+    the layers differ): the block's own residual structure, its attention reading and writing the cache."""
+    new = {}
+
+    def attend(h):
+        out, new["cache"] = block.attn.decode(h, positions, cache, window)
+        return out
+
+    x = block.attn_residual(x, attend)
+    x, _ = block.mlp_residual(x)  # a MoE layer's router statistics are not needed here
+    return x, new["cache"]
 
 
-def _scan(stack, x, positions, cache, layer):
+def _scan(stack, x, positions, cache, layer, per_layer=None):
     graphdef, state = nnx.split(stack)
 
     def body(h, inp):
-        layer_state, c = inp
-        return layer(nnx.merge(graphdef, layer_state), h, positions, c)
+        layer_state, c, values = inp
+        return layer(nnx.merge(graphdef, layer_state), h, positions, c, **values)
 
-    return jax.lax.scan(body, x, (state, cache))
+    values = {k: jnp.asarray(v) for k, v in (per_layer or {}).items()}
+    return jax.lax.scan(body, x, (state, cache, values))
 
 
 def forward(model, tokens: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """float32 logits ``[B, T, vocab_padded]`` of ``tokens [B, T]`` at ``positions [B, T]``, reading and
     writing ``cache`` (:func:`empty_cache`)."""
-    x = model.embed(tokens)
-    if model.pos_embed is not None:
-        x = x + jnp.take(model.pos_embed[...], positions, axis=0).astype(model.dtype)
+    from jaxpar.models.gpt import embed_tokens
+
+    x = embed_tokens(model.outer(), model.cfg, model.dtype, tokens, positions)
     if "blocks" in cache:  # the dense GPT: one stack of blocks
-        x, c = _scan(model.blocks, x, positions, cache["blocks"], _block)
+        x, c = _scan(model.blocks, x, positions, cache["blocks"], _block, model.per_layer())
         cache = {"blocks": c}
     else:  # the MoE decoder: groups of [dense..., MoE] blocks
         def group(g, h, pos, c):

@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxpar.config import Config, ConfigError, ModelConfig
+from jaxpar.families import for_model
 from jaxpar.hf_config import CLASSES, _arch, config_keys, directory, read_config
 from jaxpar.trainer import _get as _at
 from jaxpar.trainer import _nest
@@ -51,48 +52,63 @@ from jaxpar.trainer import _nest
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
+def _effective(key: str, value, m: ModelConfig):
+    """A key's value as the model computes with it (defaults spelled out), for comparing configs."""
+    if key == "model.attn_scale":
+        return value or m.head_dim ** -0.5
+    if key == "model.rope_local_theta" and not value and m.rope_scaling == "none":
+        return m.rope_theta  # the local layers' RoPE is the global one
+    return value
+
+
 def hf_config(cfg: Config) -> dict:
     """The ``config.json`` of the Hugging Face model that computes what ``cfg``'s model computes; a model
-    that Hugging Face's GPT-2, Llama or Mixtral cannot express is an error naming the key."""
+    that no supported family can express is an error naming the key. The family is chosen by the
+    switches the model uses (:func:`jaxpar.families.for_model`); its ``config.json`` is translated back
+    and every architecture key compared with ``cfg``'s."""
     m = cfg.model.resolved()
+    fam = for_model(m, m.arch)
+    hf = fam.to_hf(m, cfg.moe if m.arch == "moe" else None)
     dtype = m.param_dtype
-    if m.arch == "moe":
-        arch = "mixtral"
-    else:
-        arch = "gpt2" if m.positions == "learned" else "llama"
-    if arch == "gpt2":
-        hf: dict[str, Any] = {"n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads, "n_inner": m.d_ff,
-                              "vocab_size": m.vocab_size, "n_positions": m.seq_len, "n_ctx": m.seq_len,
-                              "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",
-                              "tie_word_embeddings": True}
-    else:
-        hf = {"num_hidden_layers": m.n_layers, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
-              "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim, "intermediate_size": m.d_ff,
-              "vocab_size": m.vocab_size, "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-              "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-              "hidden_act": "silu", "tie_word_embeddings": m.tie_embeddings, "attention_bias": False,
-              "mlp_bias": False}
-        if arch == "mixtral":
-            e = cfg.moe
-            hf.update({"num_local_experts": e.n_experts, "num_experts_per_tok": e.top_k,
-                       "intermediate_size": e.d_ff or m.d_ff, "router_jitter_noise": 0.0, "sliding_window": None,
-                       "router_aux_loss_coef": e.aux_loss_weight * m.n_layers / e.top_k})
-    hf.update({"model_type": arch, "architectures": [CLASSES[arch]], "torch_dtype": dtype, "dtype": dtype})
+    hf.update({"model_type": fam.MODEL_TYPE, "architectures": [fam.CLASS], "torch_dtype": dtype, "dtype": dtype})
     hard, _ = config_keys(hf)
-    if arch == "mixtral":  # every layer is MoE: the dense width is unused, the experts' is moe.d_ff or it
+    if m.arch == "moe":  # every layer is MoE: the dense width is unused, the experts' is moe.d_ff or it
         del hard["model.d_ff"]
     for key, want in hard.items():
         section, name = key.split(".")
         have = getattr(m if section == "model" else cfg.moe, name)
         have = have or m.d_ff if key == "moe.d_ff" else have
+        have, want = _effective(key, have, m), _effective(key, want, m)
         if have != want and not (isinstance(want, float) and math.isclose(have, want)):
-            raise ConfigError(f"{key}={have!r} cannot be exported: a Hugging Face {arch} model has {key}={want!r}")
+            raise ConfigError(f"{key}={have!r} cannot be exported: a Hugging Face {fam.MODEL_TYPE} model has "
+                              f"{key}={want!r}")
     return hf
 
 
 # ---------------------------------------------------------------------------------------------
 # The weight layouts. Each architecture maps every jaxpar parameter (one layer's slice for a stacked
 # one) to a function of the Hugging Face tensors (``t(name)``, layer-relative names), and back.
+
+def _decoder_extras(m: ModelConfig) -> dict[tuple, str]:
+    """A Llama-style layer's norms, Q/K/V biases and QK-norm weights: ``{jaxpar path: HF name}``, as the
+    switches say (Gemma's sandwich norms: its post-attention norm is the attention output's, and the
+    MLP's input norm is ``pre_feedforward_layernorm``)."""
+    out = {("norm1", "scale"): "input_layernorm.weight"}
+    if m.norm_placement == "sandwich":
+        out.update({("post_norm1", "scale"): "post_attention_layernorm.weight",
+                    ("norm2", "scale"): "pre_feedforward_layernorm.weight",
+                    ("post_norm2", "scale"): "post_feedforward_layernorm.weight"})
+    else:
+        out[("norm2", "scale")] = "post_attention_layernorm.weight"
+    if m.qkv_bias:
+        out.update({("attn", "q_bias"): "self_attn.q_proj.bias", ("attn", "v_bias"): "self_attn.v_proj.bias"})
+        if m.positions == "rope" or m.qk_norm:  # the key bias exists where it can matter (Attention)
+            out[("attn", "k_bias")] = "self_attn.k_proj.bias"
+    if m.qk_norm:
+        out.update({("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
+                    ("attn", "k_norm", "scale"): "self_attn.k_norm.weight"})
+    return out
+
 
 def _layer_prefix(arch: str, layer: int) -> str:
     return f"h.{layer}." if arch == "gpt2" else f"model.layers.{layer}."
@@ -127,10 +143,12 @@ def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int) -> tuple[str, dict[tup
         return np.concatenate([q, k, v], axis=2)
 
     layer = {("attn", "qkv", "kernel"): qkv,
-             ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d),
-             ("norm1", "scale"): lambda t: t("input_layernorm.weight"),
-             ("norm2", "scale"): lambda t: t("post_attention_layernorm.weight")}
-    if arch == "llama":
+             ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d)}
+    for path, name in _decoder_extras(m).items():
+        shape = {"q_bias": (h, hd), "k_bias": (kv, hd), "v_bias": (kv, hd)}.get(path[-1])
+        layer[path] = (lambda t, name=name: t(name)) if shape is None else (
+            lambda t, name=name, shape=shape: t(name).reshape(shape))
+    if arch != "mixtral":
         layer[("mlp", "up", "kernel")] = lambda t: np.stack([t("mlp.gate_proj.weight").T, t("mlp.up_proj.weight").T],
                                                             axis=1)
         layer[("mlp", "down", "kernel")] = lambda t: t("mlp.down_proj.weight").T
@@ -183,10 +201,10 @@ def _to_hf(arch: str, m: ModelConfig, n_experts: int) -> dict[str, Callable]:
 
     out = {"self_attn.q_proj.weight": qkv_part(0, g), "self_attn.k_proj.weight": qkv_part(g, g + 1),
            "self_attn.v_proj.weight": qkv_part(g + 1, g + 2),
-           "self_attn.o_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d).T,
-           "input_layernorm.weight": lambda p: p(("norm1", "scale")),
-           "post_attention_layernorm.weight": lambda p: p(("norm2", "scale"))}
-    if arch == "llama":
+           "self_attn.o_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d).T}
+    for path, name in _decoder_extras(m).items():
+        out[name] = lambda p, path=path: p(path).reshape(-1) if path[-1].endswith("_bias") else p(path)
+    if arch != "mixtral":
         out.update({"mlp.gate_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 0].T,
                     "mlp.up_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 1].T,
                     "mlp.down_proj.weight": lambda p: p(("mlp", "down", "kernel")).T})

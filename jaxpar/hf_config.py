@@ -1,9 +1,10 @@
 """Hugging Face ``config.json`` -> jaxpar keys, for ``model.init_from=hf:DIR`` (applied by
 :func:`jaxpar.config.load_config`; the weights are :mod:`jaxpar.hf`'s).
 
-:func:`config_keys` turns a GPT-2, Llama or Mixtral ``config.json`` into the ``model.*`` (and
-``moe.*``) keys of the same model: ``hard`` ones define the architecture, ``soft`` ones are defaults
-the user may change. An option jaxpar does not implement is a :class:`ConfigError` naming the field.
+:func:`config_keys` turns a ``config.json`` of a supported family (:mod:`jaxpar.families`: GPT-2,
+Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral) into the ``model.*`` (and ``moe.*``) keys of
+the same model: ``hard`` ones define the architecture, ``soft`` ones are defaults the user may change.
+An option jaxpar does not implement is a :class:`ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jaxpar.errors import ConfigError
+from jaxpar.families import CLASSES, family  # noqa: F401  (CLASSES: the families' transformers classes)
 
 PREFIX = "hf:"
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 def directory(init_from: str) -> Path:
     """The model directory of a ``model.init_from`` value (``hf:DIR``)."""
@@ -37,73 +38,18 @@ def read_config(d: Path) -> dict:
 
 
 def _arch(hf: dict, where: str) -> str:
-    kind = hf.get("model_type")
-    if kind not in CLASSES:
-        raise ConfigError(f"{where}: model_type={kind!r} is not supported; jaxpar imports {', '.join(CLASSES)}")
-    return kind
-
-
-def _require(hf: dict, where: str, key: str, ok: Callable[[Any], bool], want: str, default=None) -> None:
-    if not ok(hf.get(key, default)):
-        raise ConfigError(f"{where}: {key}={hf.get(key, default)!r} is not supported by jaxpar (needs {want})")
-
-
-def _rope_theta(hf: dict, where: str) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in (None, "default"):
-        field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-        raise ConfigError(f"{where}: {field}.rope_type={kind!r} is not supported by jaxpar (plain RoPE only: "
-                          "rope_type default)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return family(hf, where).MODEL_TYPE
 
 
 def config_keys(hf: dict, where: str = "config.json") -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(hard, soft)`` jaxpar keys of a Hugging Face ``config.json``: ``hard`` define the architecture
-    (a conflicting user value is an error), ``soft`` are defaults the user may change."""
-    arch = _arch(hf, where)
-    if arch == "gpt2":
-        _require(hf, where, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
-                 "the tanh GELU: gelu_new", "gelu_new")
-        _require(hf, where, "scale_attn_weights", bool, "true", True)
-        for key in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
-            _require(hf, where, key, lambda v: not v, "false", False)
-        d = hf["n_embd"]
-        hard = {"model.arch": "gpt", "model.style": "gpt2", "model.positions": "learned", "model.norm": "layernorm",
-                "model.mlp": "gelu", "model.bias": True, "model.tie_embeddings": True, "model.n_layers": hf["n_layer"],
-                "model.d_model": d, "model.n_heads": hf["n_head"], "model.n_kv_heads": hf["n_head"],
-                "model.head_dim": d // hf["n_head"], "model.d_ff": hf.get("n_inner") or 4 * d,
-                "model.vocab_size": hf["vocab_size"], "model.norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
-        return hard, {"model.seq_len": hf["n_positions"]}
-    _require(hf, where, "hidden_act", lambda v: v == "silu", "silu", "silu")
-    for key in ("attention_bias", "mlp_bias"):
-        _require(hf, where, key, lambda v: not v, "false", False)
-    heads = hf["num_attention_heads"]
-    hard = {"model.style": "llama", "model.positions": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu",
-            "model.bias": False, "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "model.n_layers": hf["num_hidden_layers"], "model.d_model": hf["hidden_size"], "model.n_heads": heads,
-            "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
-            "model.head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "model.d_ff": hf["intermediate_size"],
-            "model.vocab_size": hf["vocab_size"], "model.norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "model.rope_theta": _rope_theta(hf, where)}
-    soft: dict[str, Any] = {}
-    if arch == "llama":
-        return {"model.arch": "gpt", **hard}, soft
-    _require(hf, where, "router_jitter_noise", lambda v: not v, "0", 0.0)
-    k, n = hf.get("num_experts_per_tok", 2), hf["num_hidden_layers"]
-    hard.update({"model.arch": "moe", "moe.n_experts": hf.get("num_local_experts", 8), "moe.top_k": k,
-                 "moe.every": 1, "moe.d_ff": hf["intermediate_size"], "moe.score": "softmax",
-                 "moe.renormalize": True, "moe.shared_experts": 0, "moe.bias_update_rate": 0.0})
-    soft.update({"moe.dropless": True, "moe.aux_loss_weight": hf.get("router_aux_loss_coef", 0.001) * k / n})
-    return hard, soft
-
-
-def check_window(hf: dict, seq_len: int, where: str) -> None:
-    """A sliding window at least as long as the sequence changes nothing; a shorter one is not implemented."""
-    w = hf.get("sliding_window")
-    if w is not None and w < seq_len:
-        raise ConfigError(f"{where}: sliding_window={w} is shorter than model.seq_len={seq_len}; jaxpar has no "
-                          f"sliding-window attention (use model.seq_len<={w})")
+    """``(hard, soft)`` jaxpar keys of a Hugging Face ``config.json`` (its family's translation,
+    :mod:`jaxpar.families`): ``hard`` define the architecture (a conflicting user value is an error),
+    ``soft`` are defaults the user may change."""
+    try:
+        return family(hf, where).config_keys(hf, where)
+    except KeyError as e:
+        raise ConfigError(f"{where}: field {e.args[0]!r} is missing (needed by its model_type "
+                          f"{hf.get('model_type')!r})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,4 +84,3 @@ def check(cfg) -> None:
     if hf.get("model_type") == "gpt2" and cfg.model.seq_len > hf["n_positions"]:
         raise ConfigError(f"model.seq_len={cfg.model.seq_len} exceeds the {hf['n_positions']} learned positions of "
                           f"{where} (n_positions)")
-    check_window(hf, cfg.model.seq_len, where)

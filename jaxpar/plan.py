@@ -249,12 +249,12 @@ class Planner:
         tl = m.seq_len // n
         tokens = rows * tl
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
-        ff = (3 if m.mlp == "swiglu" else 2) * m.d_ff
-        up: float = (2 if m.mlp == "swiglu" else 1) * m.d_ff  # the up (gate-up) projection's output
+        ff = (3 if m.gated else 2) * m.d_ff
+        up: float = (2 if m.gated else 1) * m.d_ff  # the up (gate-up) projection's output
         if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot (capacity-padded)
             slots = e.top_k * (1 if e.dropless else e.capacity_factor)
-            ff = slots * ((3 if m.mlp == "swiglu" else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
-            up = slots * (2 if m.mlp == "swiglu" else 1) * (e.d_ff or m.d_ff)
+            ff = slots * ((3 if m.gated else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
+            up = slots * (2 if m.gated else 1) * (e.d_ff or m.d_ff)
         # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
         t_kv = m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
@@ -333,7 +333,7 @@ def _recomputed(cfg: Config) -> float:
         return float(m.remat == "full")
     moe = m.arch == "moe"
     width = (cfg.moe.top_k * (cfg.moe.d_ff or m.d_ff)) if moe else m.d_ff
-    up = (2 if m.mlp == "swiglu" else 1) * width * m.d_model
+    up = (2 if m.gated else 1) * width * m.d_model
     core = m.seq_len * m.n_heads * m.head_dim  # QK^T and PV: 2 T H hd flops per token each, halved by the mask
     return (up + (core if m.remat == "save_qkv_proj" else 0)) / (layer_matmul_params(cfg, moe) + core)
 

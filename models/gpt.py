@@ -9,6 +9,14 @@
 ``style=gpt2``: learned positions, LayerNorm, GELU, tied embeddings, biases.
 ``style=llama``: RoPE, RMSNorm, SwiGLU, GQA (n_kv_heads), untied head, no biases.
 Residual projections are initialised with std ``init_std / sqrt(2 n_layers)`` (GPT-2).
+
+The families of today are switches of this one block, never branches on a family's name (see
+:class:`jaxpar.config.ModelConfig`): Q/K/V biases (Qwen2.5), QK-norm (Qwen3, Gemma 3), RoPE scaling
+(Llama 3.1 ``llama3``, ``linear``), sliding windows (Mistral), and Gemma 3's sandwich norms
+(``x + norm(f(norm(x)))``), ``(1 + w)`` RMSNorm, GeGLU, embeddings scaled by sqrt(d_model), its
+attention scale, and local (sliding-window, own RoPE base) layers interleaved with global ones: the
+window is a per-layer value scanned with the weights (:class:`~jaxpar.layers.stack.Stack`'s
+``per_layer``), so such a stack is still one scan.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.layers import MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init
+from jaxpar.layers.attention_ops import rope_frequencies
 from jaxpar.layers.context_parallel import zigzag_order
 from jaxpar.layers.embedding import vocab_logits
 from jaxpar.layers.loss import head_cross_entropy
@@ -31,29 +40,59 @@ from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 
 
+def rope_freqs(cfg: ModelConfig) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    """RoPE's inverse frequencies of the global layers (scaled by ``model.rope_scaling``) and of the
+    sliding-window layers when they have their own base (``model.rope_local_theta``; else None)."""
+    if cfg.positions != "rope":
+        return None, None
+    glob = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
+                            cfg.rope_high_freq_factor, cfg.rope_original_context)
+    return glob, rope_frequencies(cfg.head_dim, cfg.rope_local_theta) if cfg.rope_local_theta else None
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer block: attention and MLP with residuals.
+    """Pre-norm transformer block: attention and MLP with residuals; ``norm_placement=sandwich`` adds a
+    norm on each branch's output (``x + norm(f(norm(x)))``).
 
     ``ffn(rngs)`` may build another feed-forward module in place of the MLP (e.g. a MoE layer).
+    ``window``: the layer's sliding window when the layers differ (a per-layer value of the stack).
     """
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, ffn=None):
         pd = DTYPES[cfg.param_dtype]
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        norm = dict(eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
+        norm = dict(eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd, plus_one=cfg.norm_plus_one)
+        sandwich = cfg.norm_placement == "sandwich"
+        glob, local = rope_freqs(cfg)
         self.norm1 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, use_bias=cfg.bias,
-                              rope_theta=cfg.rope_theta if cfg.positions == "rope" else None,
+                              qkv_bias=cfg.qkv_bias, rope_freqs=glob, rope_local_freqs=local, qk_norm=cfg.qk_norm,
+                              norm_eps=cfg.norm_eps, norm_plus_one=cfg.norm_plus_one, scale=cfg.attn_scale or None,
+                              window=0 if cfg.global_every else cfg.sliding_window,
                               init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, dtype=dtype,
                               param_dtype=pd, rngs=rngs)
+        self.post_norm1 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None
         self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.mlp = (ffn(rngs) if ffn is not None else
                     MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, use_bias=cfg.bias, init_std=cfg.init_std,
                         out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs))
+        self.post_norm2 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-        x = x + self.attn(self.norm1(x), positions)
-        x = x + self.mlp(self.norm2(x))
+    def attn_residual(self, x: jax.Array, attend) -> jax.Array:
+        """``x + attend(norm1(x))`` (normed again with sandwich norms); ``attend`` is the attention call
+        (training's, or generation's with a cache)."""
+        h = attend(self.norm1(x))
+        return x + (h if self.post_norm1 is None else self.post_norm1(h))
+
+    def mlp_residual(self, x: jax.Array) -> tuple[jax.Array, dict | None]:
+        """``(x + mlp(norm2(x)), stats)``: ``stats`` a MoE layer's router statistics (None for an MLP)."""
+        y = self.mlp(self.norm2(x))
+        y, stats = y if isinstance(y, tuple) else (y, None)
+        return x + (y if self.post_norm2 is None else self.post_norm2(y)), stats
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None, window=None) -> jax.Array:
+        x = self.attn_residual(x, lambda h: self.attn(h, positions, window))
+        x, _ = self.mlp_residual(x)
         return constrain(x, ("batch", "res_length", "act_embed"))
 
 
@@ -71,7 +110,8 @@ class GPT(nnx.Module):
                                 ("positions", "embed"))
                           if cfg.positions == "learned" else None)
         self.blocks = self.make_blocks(cfg, dtype, rngs)
-        self.norm_f = make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd)
+        self.norm_f = make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd,
+                                plus_one=cfg.norm_plus_one)
         vp = self.embed.padded_size
         self.head = (None if cfg.tie_embeddings else
                      ColumnParallelLinear(cfg.d_model, vp, out_axes=("vocab",),
@@ -86,7 +126,14 @@ class GPT(nnx.Module):
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""
-        return Stack(self.blocks, remat=self.cfg.remat)(x, positions)
+        return Stack(self.blocks, remat=self.cfg.remat, per_layer=self.per_layer())(x, positions)
+
+    def per_layer(self) -> dict | None:
+        """The values in which the layers differ, one per layer (``Stack``'s ``per_layer``): each layer's
+        sliding window when ``model.global_every`` interleaves local and global layers; else None."""
+        if not self.cfg.global_every:
+            return None
+        return {"window": np.asarray(self.cfg.layer_windows(), np.float32)}
 
     def outer(self) -> dict:
         """The modules around the layer stack: embedding, positions, final norm and head."""
@@ -140,7 +187,7 @@ class GPT(nnx.Module):
             mods = nnx.merge(outer_def, o)
             return head_loss(mods, cfg, dtype, mods["norm_f"](h), tgt)
 
-        return Stack(self.blocks, remat=cfg.remat, outputs=weights is not None).loss(
+        return Stack(self.blocks, remat=cfg.remat, outputs=weights is not None, per_layer=self.per_layer()).loss(
             first_fn, last_fn, outer, tokens, targets, positions, weights=weights)
 
 
@@ -154,11 +201,14 @@ def ordered(tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def embed_tokens(outer: dict, cfg: ModelConfig, dtype, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
-    """Token (and learned position) embeddings of ``tokens [B, T]`` by :meth:`GPT.outer`'s modules."""
+    """Token (and learned position) embeddings of ``tokens [B, T]`` by :meth:`GPT.outer`'s modules, scaled
+    by sqrt(d_model) with ``model.embed_scale``; ``positions`` ``[T]`` or ``[B, T]`` (None: ``0..T-1``)."""
     t = tokens.shape[1]
     if t > cfg.seq_len and outer["pos_embed"] is not None:
         raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={cfg.seq_len}")
     x = outer["embed"](tokens)
+    if cfg.embed_scale:  # as Gemma: the factor rounded to the weights' dtype first
+        x = x * jnp.asarray(math.sqrt(cfg.d_model), DTYPES[cfg.param_dtype]).astype(x.dtype)
     if outer["pos_embed"] is not None:
         pos_table = constrain_weight(outer["pos_embed"][...], ("positions", "embed"))
         pos = pos_table[:t] if positions is None else jnp.take(pos_table, positions, axis=0)

@@ -56,9 +56,9 @@ class MoEBlock(Block):
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
-        x = x + self.attn(self.norm1(x), positions)
-        y, stats = self.mlp(self.norm2(x))
-        return constrain(x + y, ("batch", "res_length", "act_embed")), stats
+        x = self.attn_residual(x, lambda h: self.attn(h, positions))
+        x, stats = self.mlp_residual(x)
+        return constrain(x, ("batch", "res_length", "act_embed")), stats
 
 
 class MoEGroup(nnx.Module):

@@ -20,9 +20,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers import attention_ops
-from jaxpar.layers.attention_ops import rope
+from jaxpar.layers.attention_ops import rope, rope_frequencies
 from jaxpar.layers.context_parallel import sharded_attention
 from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
+from jaxpar.layers.norm import RMSNorm
 from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import constrain, constrain_weight, param
 
@@ -35,11 +36,22 @@ class Attention(nnx.Module):
     its key, then its value. Splitting ``kv_heads`` over ``tensor`` keeps every group whole on one
     device, and a single matmul means a single all-reduce of the input gradient in the backward
     (three separate projections would cost three).
+
+    Switches (each a model config key, see :class:`jaxpar.config.ModelConfig`): ``qkv_bias`` (biases on
+    Q, K, V; the key's only where it can matter, i.e. with RoPE or QK-norm after it), ``use_bias`` (the
+    out-projection's), ``qk_norm`` (an RMSNorm over each head's Q and K before RoPE), ``rope_freqs``
+    (RoPE's inverse frequencies, scaled as the model says; ``rope_local_freqs`` those of the layers
+    with a sliding window when they differ), ``scale`` (the scores' multiplier) and ``window`` (the
+    sliding window; a call may pass its layer's own, traced).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, use_bias: bool = True,
-                 rope_theta: float | None = None, init_std: float = 0.02, out_init_std: float | None = None,
-                 kernel: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 qkv_bias: bool | None = None, rope_theta: float | None = None,
+                 rope_freqs: tuple[float, ...] | None = None, rope_local_freqs: tuple[float, ...] | None = None,
+                 qk_norm: bool = False, norm_eps: float = 1e-6, norm_plus_one: bool = False,
+                 scale: float | None = None, window: int = 0, init_std: float = 0.02,
+                 out_init_std: float | None = None, kernel: str = "auto", dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
         # an explicit kernel that cannot run here fails now; auto also looks at the sequence length per call
@@ -47,62 +59,97 @@ class Attention(nnx.Module):
         self.kernel = kernel
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.group = n_heads // n_kv_heads
-        self.rope_theta = rope_theta
+        if rope_freqs is None and rope_theta is not None:
+            rope_freqs = rope_frequencies(head_dim, rope_theta)
+        self.rope_freqs, self.rope_local_freqs = rope_freqs, rope_local_freqs
+        self.scale, self.window = scale, window
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.qkv = ColumnParallelLinear(d_model, (n_kv_heads, self.group + 2, head_dim), name="qkv_proj",
                                         out_axes=("kv_heads", "fused", "head_dim"),
                                         act_axes=("batch", "length", "act_kv_heads", None, "act_head_dim"),
                                         use_bias=False, kernel_init=nnx.initializers.normal(init_std), **kw)
-        # Biases of Q and V only: a key bias adds q.b_k to every score of a query, which softmax
-        # ignores; its gradient is zero in exact arithmetic and Adam would turn round-off into steps.
-        self.q_bias = param(jnp.zeros((n_heads, head_dim), param_dtype), ("heads", "head_dim")) if use_bias else None
+        qkv_bias = use_bias if qkv_bias is None else qkv_bias
+        # A key bias adds q.b_k to every score of a query, which softmax ignores, unless RoPE (which rotates
+        # it by the key's position) or a norm comes after it: without them its gradient is zero in exact
+        # arithmetic and Adam would turn round-off into steps, so it exists only where it can matter.
+        key_bias = qkv_bias and (rope_freqs is not None or qk_norm)
+        self.q_bias = param(jnp.zeros((n_heads, head_dim), param_dtype), ("heads", "head_dim")) if qkv_bias else None
+        self.k_bias = (param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim"))
+                       if key_bias else None)
         self.v_bias = (param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim"))
-                       if use_bias else None)
+                       if qkv_bias else None)
+        norm = dict(eps=norm_eps, plus_one=norm_plus_one, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
         self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), use_bias=use_bias,
                                    name="out_proj",
                                    kernel_init=nnx.initializers.normal(out_init_std or init_std), **kw)
         self.dtype = dtype
 
-    def _qkv(self, x: jax.Array, positions: jax.Array | None):
-        """Q ``[B, T, H, D]``, K and V ``[B, T, KV, D]`` of ``x``, biased, RoPE at ``positions`` (``[T]`` or
-        ``[B, T]``; None: ``0..T-1``)."""
+    def _window(self, window):
+        """The layer's window: the call's (per-layer data), else the module's."""
+        return self.window if window is None else window
+
+    def _inv_freq(self, window):
+        """RoPE's inverse frequencies for a layer with this ``window`` (the local ones where it is > 0)."""
+        if self.rope_local_freqs is None:
+            return jnp.asarray(self.rope_freqs, jnp.float32)
+        local, glob = jnp.asarray(self.rope_local_freqs, jnp.float32), jnp.asarray(self.rope_freqs, jnp.float32)
+        if isinstance(window, (int, float)):
+            return local if window > 0 else glob
+        return jnp.where(window > 0, local, glob)
+
+    def _qkv(self, x: jax.Array, positions: jax.Array | None, window=None):
+        """Q ``[B, T, H, D]``, K and V ``[B, T, KV, D]`` of ``x``, biased, QK-normed, RoPE at ``positions``
+        (``[T]`` or ``[B, T]``; None: ``0..T-1``)."""
         b, t = x.shape[:2]
         qkv = self.qkv(x)  # [B, T, KV, group + 2, D]
         q = qkv[..., : self.group, :].reshape(b, t, self.n_heads, self.head_dim)
         k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
         if self.q_bias is not None:
             q = q + constrain_weight(self.q_bias[...], ("heads", "head_dim")).astype(self.dtype)
-        if self.v_bias is not None:  # both biases or neither (use_bias)
+        if self.k_bias is not None:
+            k = k + constrain_weight(self.k_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
+        if self.v_bias is not None:
             v = v + constrain_weight(self.v_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))
-        if self.rope_theta is not None:
+        if self.rope_freqs is not None:
             pos = jnp.arange(t) if positions is None else positions
-            q, k = rope(q, pos, self.rope_theta), rope(k, pos, self.rope_theta)
+            inv = self._inv_freq(self._window(window))
+            q, k = rope(q, pos, inv_freq=inv), rope(k, pos, inv_freq=inv)
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None, window=None) -> jax.Array:
         """``x [B, T, d]``; ``positions [T]``: the tokens' global positions when they are not
-        ``0..T-1`` in order (e.g. zig-zag ordered for ring attention), else None. With ``seq`` > 1
+        ``0..T-1`` in order (e.g. zig-zag ordered for ring attention), else None; ``window``: this layer's
+        sliding window when the layers differ (a traced scalar; None: the module's). With ``seq`` > 1
         attention runs context-parallel."""
-        q, k, v = self._qkv(x, positions)
-        out = sharded_attention(q, k, v, positions, self.kernel)
+        window = self._window(window)
+        q, k, v = self._qkv(x, positions, window)
+        out = sharded_attention(q, k, v, positions, self.kernel, scale=self.scale, window=window)
         out = checkpoint_name(constrain(out, ("batch", "length", "act_heads", "act_head_dim")), "attention")
         return self.o(out)
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    def decode(self, x: jax.Array, positions: jax.Array, cache: dict, window=None) -> tuple[jax.Array, dict]:
         """Attention with a KV cache (generation): ``x [B, T, d]`` are the tokens at ``positions [B, T]``
         (consecutive in each row, starting anywhere); their K and V are written into ``cache = {"k", "v"}``
         (``[B, S, KV, D]``) at those positions, and each query attends to the cached keys at positions
-        <= its own (float32 scores and softmax, as the ``xla`` kernel). Returns the output and the cache."""
-        q, k, v = self._qkv(x, positions)
+        <= its own and within its sliding window (float32 scores and softmax, as the ``xla`` kernel).
+        Returns the output and the cache."""
+        window = self._window(window)
+        q, k, v = self._qkv(x, positions, window)
         write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice_in_dim(c, u.astype(c.dtype), s, axis=0))
         start = positions[:, 0]
         cache = {"k": write(cache["k"], k, start), "v": write(cache["v"], v, start)}
         b, t, h, d = q.shape
         s, kv = cache["k"].shape[1], cache["k"].shape[2]
         qg = q.reshape(b, t, kv, h // kv, d)
-        scores = f32_einsum("btkgd,bskd->bkgts", qg, cache["k"].astype(q.dtype)) * (1.0 / d ** 0.5)
-        visible = positions[:, None, None, :, None] >= jnp.arange(s)[None, None, None, None, :]
+        scale = (1.0 / d ** 0.5) if self.scale is None else self.scale
+        scores = f32_einsum("btkgd,bskd->bkgts", qg, cache["k"].astype(q.dtype)) * scale
+        visible = attention_ops.in_window(positions[:, None, None, :, None], jnp.arange(s)[None, None, None, None, :],
+                                          window)
         p = jax.nn.softmax(jnp.where(visible, scores, attention_ops.NEG), axis=-1).astype(q.dtype)
         out = f32_einsum("bkgts,bskd->btkgd", p, cache["v"].astype(q.dtype))
         return self.o(out.reshape(b, t, h, d).astype(q.dtype)), cache

@@ -37,10 +37,39 @@ CHOICES = ("auto",) + KERNELS
 NEG = -1e30
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary embedding (rotate-half layout, as Llama): ``x [B, T, H, D]``, ``positions [T]`` or ``[B, T]``."""
+def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,
+                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                     original_context: int = 8192) -> tuple[float, ...]:
+    """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)`` (float32, as Hugging Face
+    computes them), scaled: ``linear`` divides them all by ``factor`` (positions / factor); ``llama3``
+    (Llama 3.1) divides those of wavelength above ``original_context / low_freq_factor`` by ``factor``,
+    keeps those below ``original_context / high_freq_factor`` and blends the band between. A tuple, so
+    that a module can hold it as static data."""
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))))
+    inv = inv.astype(np.float32)
+    if scaling == "linear":
+        inv = inv / np.float32(factor)
+    elif scaling == "llama3":
+        wavelen = np.float32(2 * np.pi) / inv
+        low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+        scaled = np.where(wavelen > low_wavelen, inv / np.float32(factor), inv)
+        smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif scaling != "none":
+        raise ValueError(f"unknown RoPE scaling {scaling!r}; choose none, linear or llama3")
+    return tuple(float(f) for f in inv)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0, inv_freq=None) -> jax.Array:
+    """Rotary embedding (rotate-half layout, as Llama): ``x [B, T, H, D]``, ``positions [T]`` or ``[B, T]``;
+    ``inv_freq [D/2]`` (e.g. :func:`rope_frequencies`, scaled; may be traced) replaces ``theta``'s."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if inv_freq is None:
+        inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    else:
+        inv = jnp.asarray(inv_freq, jnp.float32)
     ang = positions.astype(jnp.float32)[..., None] * inv  # [.., T, D/2]
     if ang.ndim == 2:
         ang = ang[None]
@@ -51,30 +80,49 @@ def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Arra
     return out.astype(x.dtype)
 
 
-def _mask(t: int, s: int, q_offset=0, q_pos=None, k_pos=None) -> jax.Array:
-    """``[T, S]``: query i may see key j (causal on global positions)."""
+def _mask(t: int, s: int, q_offset=0, q_pos=None, k_pos=None, window=None) -> jax.Array:
+    """``[T, S]``: query i may see key j (causal on global positions; within ``window`` positions of it,
+    itself included, when ``window`` > 0: a Python int or a traced scalar)."""
     if q_pos is None:
         q_pos = q_offset + jnp.arange(t)
     if k_pos is None:
         k_pos = jnp.arange(s)
-    return q_pos[:, None] >= k_pos[None, :]
+    return in_window(q_pos[:, None], k_pos[None, :], window)
+
+
+def in_window(q_pos, k_pos, window=None):
+    """Whether a query at ``q_pos`` sees a key at ``k_pos``: causal, and within the sliding ``window``
+    (``q_pos - k_pos < window``) when it is > 0 (None or 0: no window)."""
+    ok = q_pos >= k_pos
+    if window is None or (isinstance(window, (int, np.integer)) and window <= 0):
+        return ok
+    return ok & ((window <= 0) | (q_pos - k_pos < window))
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array | None = None,
-                     k_pos: jax.Array | None = None, q_offset=0) -> jax.Array:
+                     k_pos: jax.Array | None = None, q_offset=0, *, scale=None, window=None) -> jax.Array:
     """The reference (``xla``) kernel: softmax attention with a causal mask, float32 scores and softmax.
 
     ``q [B, T, H, D]``, ``k, v [B, S, KV, D]`` with ``H % KV == 0``; the mask compares global
-    positions (default: query i at ``q_offset + i``, key j at j). Returns ``[B, T, H, D]``.
+    positions (default: query i at ``q_offset + i``, key j at j), within a sliding ``window`` when one
+    is given. Scores are scaled by ``scale`` (default ``1/sqrt(D)``). Returns ``[B, T, H, D]``.
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
-    scores = f32_einsum("btkgd,bskd->bkgts", qg, k) * np.float32(1.0 / np.sqrt(d))
-    scores = jnp.where(_mask(t, s, q_offset, q_pos, k_pos), scores, NEG)
+    scores = f32_einsum("btkgd,bskd->bkgts", qg, k) * np.float32(_scale(scale, d))
+    scores = jnp.where(_mask(t, s, q_offset, q_pos, k_pos, window), scores, NEG)
     p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = f32_einsum("bkgts,bskd->btkgd", p, v)
     return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _scale(scale, d: int) -> float:
+    return float(1.0 / np.sqrt(d)) if scale is None else float(scale)
+
+
+def _static_window(window) -> bool:
+    return window is None or isinstance(window, (int, np.integer))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,12 +197,16 @@ def _fits(kernel: str, t: int | None, s: int | None, platform: str) -> bool:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, q_offset=0,
-              q_pos: jax.Array | None = None, k_pos: jax.Array | None = None) -> jax.Array:
+              q_pos: jax.Array | None = None, k_pos: jax.Array | None = None, scale: float | None = None,
+              window=None) -> jax.Array:
     """Causal attention of ``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with ``kernel``
     (a choice of :data:`CHOICES`; ``auto`` is resolved here from the shapes).
 
     The mask: by index shifted by ``q_offset`` (a Python int, or a traced scalar for xla and cudnn),
-    or by explicit global positions ``q_pos [T]``, ``k_pos [S]``.
+    or by explicit global positions ``q_pos [T]``, ``k_pos [S]``; and a sliding ``window`` (a query
+    sees the keys less than ``window`` positions behind it; None or 0: all; a Python int, or a traced
+    scalar, e.g. a per-layer value scanned with the weights, for xla and cudnn). Scores are scaled by
+    ``scale`` (default ``1/sqrt(D)``).
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -164,27 +216,40 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
         if not _fits(kernel, t, s, platform):
             kernel = "xla"
     positions = q_pos is not None or k_pos is not None
+    windowed = not (window is None or (_static_window(window) and window <= 0))
     if kernel == "xla":
-        return causal_attention(q, k, v, q_pos, k_pos, q_offset)
+        return causal_attention(q, k, v, q_pos, k_pos, q_offset, scale=scale, window=window)
     if kernel == "cudnn":
         plain = not positions and isinstance(q_offset, int) and q_offset == 0 and t == s
-        mask = None if plain else _mask(t, s, q_offset, q_pos, k_pos)[None, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=plain, implementation="cudnn")
+        if plain and windowed and _static_window(window):
+            return jax.nn.dot_product_attention(q, k, v, scale=_scale(scale, d), is_causal=True,
+                                                local_window_size=(int(window) - 1, 0), implementation="cudnn")
+        plain = plain and not windowed
+        mask = None if plain else _mask(t, s, q_offset, q_pos, k_pos, window)[None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=_scale(scale, d), is_causal=plain,
+                                            implementation="cudnn")
     if kernel == "pallas":
         if positions or not isinstance(q_offset, (int, np.integer)):
             raise ConfigError("model.attention=pallas: the Pallas kernels' causal masks are static, so they cannot "
                               "take tokens in another order (explicit positions); choose auto or xla")
+        if windowed and not _static_window(window):
+            raise ConfigError("model.attention=pallas: the Pallas kernels' masks are static, and layers with "
+                              "different windows (model.global_every) pass the window as data; choose auto or xla")
         if platform == "gpu":
             if q_offset != 0 or t != s:
                 raise ConfigError("model.attention=pallas: the Pallas GPU (Triton) flash kernel runs plain causal "
                                   f"attention only (as many queries as keys, no offset; here {t} queries, {s} keys), "
                                   "not parallel.seq_attention=all_gather; use model.attention=cudnn or ulysses")
-            return triton_attention(q, k, v)
+            if windowed:
+                raise ConfigError("model.attention=pallas: the Pallas GPU (Triton) flash kernel has no sliding "
+                                  "window (model.sliding_window); use model.attention=cudnn or auto")
+            return triton_attention(q, k, v, scale=_scale(scale, d))
         if s % 128:
             raise ConfigError(f"model.attention=pallas: the splash attention kernel tiles the keys in blocks of 128, "
                               f"and this attention has {s} keys (model.seq_len, or its share under parallel.seq); "
                               "choose a multiple of 128, or model.attention=auto / xla")
-        return splash_attention(q, k, v, int(q_offset), interpret=platform != "tpu")
+        return splash_attention(q, k, v, int(q_offset), interpret=platform != "tpu", scale=_scale(scale, d),
+                                window=int(window) if windowed else None)
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(CHOICES)}")
 
 
@@ -193,25 +258,28 @@ def _block(n: int) -> int:
     return next((b for b in (512, 256, 128) if n % b == 0), n)
 
 
-def splash_attention(q, k, v, q_offset: int = 0, *, interpret: bool = False) -> jax.Array:
-    """TPU splash attention (``jax.experimental.pallas.ops.tpu``), causal with a static offset;
-    grouped-query natively (the kernel maps each query head to its KV head)."""
+def splash_attention(q, k, v, q_offset: int = 0, *, interpret: bool = False, scale: float | None = None,
+                     window: int | None = None) -> jax.Array:
+    """TPU splash attention (``jax.experimental.pallas.ops.tpu``), causal with a static offset (and a static
+    sliding ``window``); grouped-query natively (the kernel maps each query head to its KV head)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     b, t, h, d = q.shape
     s = k.shape[1]
-    mask = sm.MultiHeadMask([sm.CausalMask((t, s), offset=q_offset) for _ in range(h)])
+    one = (sm.CausalMask((t, s), offset=q_offset) if not window else
+           sm.LocalMask((t, s), window_size=(window - 1, 0), offset=q_offset))
+    mask = sm.MultiHeadMask([one for _ in range(h)])
     bq, bk = _block(t), _block(s)
     sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
-    out = jax.vmap(kernel)(heads_first(q * np.asarray(1.0 / np.sqrt(d), q.dtype)), heads_first(k), heads_first(v))
+    out = jax.vmap(kernel)(heads_first(q * np.asarray(_scale(scale, d), q.dtype)), heads_first(k), heads_first(v))
     return heads_first(out).astype(q.dtype)
 
 
-def triton_attention(q, k, v, *, interpret: bool = False) -> jax.Array:
+def triton_attention(q, k, v, *, interpret: bool = False, scale: float | None = None) -> jax.Array:
     """The Pallas GPU (Triton) flash kernel (``jax.experimental.pallas.ops.gpu.attention``):
     multi-head, plain causal."""
     from jax.experimental.pallas.ops.gpu import attention as tri
@@ -219,7 +287,7 @@ def triton_attention(q, k, v, *, interpret: bool = False) -> jax.Array:
     t, d = q.shape[1], q.shape[-1]
     blocks = tri.BlockSizes(block_q=min(128, t), block_k=min(128, t), block_q_dkv=min(32, t),
                             block_kv_dkv=min(32, t), block_q_dq=min(32, t), block_kv_dq=min(32, t))
-    return tri.mha(q, k, v, None, sm_scale=float(1.0 / np.sqrt(d)), causal=True, block_sizes=blocks,
+    return tri.mha(q, k, v, None, sm_scale=_scale(scale, d), causal=True, block_sizes=blocks,
                    interpret=interpret)
 
 

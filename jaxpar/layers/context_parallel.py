@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.layers.attention_ops import NEG, attention
+from jaxpar.layers.attention_ops import NEG, attention, in_window
 from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules
 
@@ -74,14 +74,15 @@ def ring_schedule(n: int, zigzag: bool) -> list[list[tuple[str, str]]]:
 
 
 @functools.partial(jax.checkpoint, static_argnums=(6,))
-def _update(carry, q, k, v, q_pos, k_pos, scale):
-    """Online-softmax update of (o, m, l) with one K/V block; q [B,Tq,KV,G,D], k/v [B,Tk,KV,D].
+def _update(carry, q, k, v, q_pos, k_pos, scale, window=None):
+    """Online-softmax update of (o, m, l) with one K/V block; q [B,Tq,KV,G,D], k/v [B,Tk,KV,D]; keys
+    outside the sliding ``window`` (when > 0) are masked like the causal future.
 
     Rematerialised: the backward recomputes the block's scores instead of keeping them for every
     ring step, so memory holds one ``[Tq, Tk]`` block at a time (as flash / ring attention do)."""
     o, m, l = carry
     s = f32_einsum("btkgd,bskd->bkgts", q, k) * scale
-    mask = q_pos[:, None] >= k_pos[None, :]
+    mask = in_window(q_pos[:, None], k_pos[None, :], window)
     s = jnp.where(mask, s, NEG)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -102,8 +103,12 @@ def _set_rows(carry, part, sl):
     return o.at[:, sl].set(po), m.at[..., sl].set(pm), l.at[..., sl].set(pl)
 
 
-def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
+def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: float | None = None, window=None):
     """Per-device ring attention (call inside shard_map). q [B,T,H,D], k/v [B,T,KV,D], pos [T].
+
+    With a sliding ``window`` (> 0; a Python int or a traced scalar) a block whose every key is at
+    least ``window`` positions behind every query is skipped (a ``lax.cond``: no work, only its hop),
+    so short windows do less work, not just more masking.
 
     Communication overlaps computation: each K/V block is passed on to the next device *before*
     it is used, so the ``ppermute`` of step s+1's block runs while step s's block is computed (the
@@ -114,7 +119,7 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
     g = h // kv
     n = jax.lax.axis_size(axis)
     i = jax.lax.axis_index(axis)
-    scale = float(1.0 / np.sqrt(d))
+    scale = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
     qg = q.reshape(b, t, kv, g, d)
     carry = (jnp.zeros((b, t, kv, g, d), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
              jnp.zeros((b, kv, g, t), jnp.float32))
@@ -122,23 +127,29 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
     lo, hi = slice(0, half), slice(half, t)
     perm = [(r, (r + 1) % n) for r in range(n)]
 
+    def update(c, qg, k, v, qp, kp):  # a block; skipped when the window hides all of it
+        if window is None or (isinstance(window, int) and window <= 0):
+            return _update(c, qg, k, v, qp, kp, scale)
+        hidden = (window > 0) & (jnp.min(qp) - jnp.max(kp) >= window)
+        return jax.lax.cond(hidden, lambda c: c, lambda c: _update(c, qg, k, v, qp, kp, scale, window), c)
+
     def block(s, carry, k, v, k_pos):
         """Combine the block of device (i - s) into the local output (skipping what the mask hides)."""
         j = (i - s) % n
         if zigzag:
             def low_keys(c):  # the sender's first chunk precedes both of our chunks
-                return _update(c, qg, k[:, lo], v[:, lo], q_pos, k_pos[lo], scale)
+                return update(c, qg, k[:, lo], v[:, lo], q_pos, k_pos[lo])
 
             def high_queries(c):  # our second chunk follows both of the sender's chunks
-                part = _update(_rows(c, hi), qg[:, hi], k, v, q_pos[hi], k_pos, scale)
+                part = update(_rows(c, hi), qg[:, hi], k, v, q_pos[hi], k_pos)
                 return _set_rows(c, part, hi)
 
             return jax.lax.cond(j < i, low_keys, high_queries, carry)
-        return jax.lax.cond(j < i, lambda c: _update(c, qg, k, v, q_pos, k_pos, scale), lambda c: c, carry)
+        return jax.lax.cond(j < i, lambda c: update(c, qg, k, v, q_pos, k_pos), lambda c: c, carry)
 
     if n > 1:
         incoming = jax.lax.ppermute((k, v, k_pos), axis, perm)  # first hop, in flight during the local block
-    carry = _update(carry, qg, k, v, q_pos, k_pos, scale)  # the local block (causal inside)
+    carry = _update(carry, qg, k, v, q_pos, k_pos, scale, window)  # the local block (causal inside)
 
     def step(s, state):
         carry, block_kv = state
@@ -153,34 +164,39 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool):
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str):
+def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None):
     """Local queries over the gathered K/V: ``kernel``'s causal mask shifted by this device's first
     position (by explicit positions when the tokens are not in order)."""
     k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+    kw = dict(scale=scale, window=window)
     if pos is not None:
-        return attention(q, k_all, v_all, kernel, q_pos=pos, k_pos=jax.lax.all_gather(pos, axis, axis=0, tiled=True))
+        return attention(q, k_all, v_all, kernel, q_pos=pos, k_pos=jax.lax.all_gather(pos, axis, axis=0, tiled=True),
+                         **kw)
     t, i = q.shape[1], jax.lax.axis_index(axis)
     if kernel == "pallas":  # its mask is static: one kernel per device's offset, the right one picked at run time
-        branches = [functools.partial(attention, kernel=kernel, q_offset=j * t) for j in range(jax.lax.axis_size(axis))]
+        branches = [functools.partial(attention, kernel=kernel, q_offset=j * t, **kw)
+                    for j in range(jax.lax.axis_size(axis))]
         return jax.lax.switch(i, branches, q, k_all, v_all)
-    return attention(q, k_all, v_all, kernel, q_offset=i * t)
+    return attention(q, k_all, v_all, kernel, q_offset=i * t, **kw)
 
 
-def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str):
+def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None):
     """All-to-all from sequence-split to head-split, whole-sequence attention, and back."""
     def to_heads(x):  # [B, T/N, H, D] -> [B, T, H/N, D]
         return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
 
     pos = None if pos is None else jax.lax.all_gather(pos, axis, axis=0, tiled=True)
-    out = attention(to_heads(q), to_heads(k), to_heads(v), kernel, q_pos=pos, k_pos=pos)
+    out = attention(to_heads(q), to_heads(k), to_heads(v), kernel, q_pos=pos, k_pos=pos, scale=scale, window=window)
     return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def sharded_attention(q, k, v, positions, kernel: str = "xla"):
+def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float | None = None, window=None):
     """Causal attention of the global ``q [B,T,H,D]``, ``k, v [B,T,KV,D]`` under the active rules.
 
     ``positions [T]``: the tokens' global positions when they are not in order (zig-zag), else None.
+    ``scale``: the scores' multiplier (default ``1/sqrt(D)``); ``window``: a sliding window (None or 0:
+    none; a Python int, or a traced scalar such as a per-layer value).
     Without a multi-device mesh this is :func:`attention`; with one it runs in a ``shard_map`` over
     the whole mesh (batch over the batch axes, heads over ``tensor``), every device computing its
     own heads and tokens with ``kernel``, and with ``seq`` > 1 the strategy of
@@ -189,20 +205,23 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
     if rules is None or mesh is None or not rules.manual_axes():
-        return attention(q, k, v, kernel, q_pos=positions, k_pos=positions)
+        return attention(q, k, v, kernel, q_pos=positions, k_pos=positions, scale=scale, window=window)
     strategy = rules.seq_attention
     if strategy is None:
-        def local(q, k, v, pos):
-            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos)
+        def local(q, k, v, pos, window):
+            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos, scale=scale, window=window)
     elif strategy == "ring":
-        def local(q, k, v, pos):
+        def local(q, k, v, pos, window):
             if pos is None:
                 t = q.shape[1]
                 pos = jax.lax.axis_index("seq") * t + jnp.arange(t)
-            return ring_attention(q, k, v, pos, pos, axis="seq", zigzag=rules.parallel.seq_zigzag)
+            return ring_attention(q, k, v, pos, pos, axis="seq", zigzag=rules.parallel.seq_zigzag, scale=scale,
+                                  window=window)
     elif strategy in STRATEGIES:
         cp = {"all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
-        local = functools.partial(cp, axis="seq", kernel=kernel)
+
+        def local(q, k, v, pos, window):
+            return cp(q, k, v, pos, axis="seq", kernel=kernel, scale=scale, window=window)
     else:
         raise ValueError(f"unknown seq attention strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     p = rules.params
@@ -210,6 +229,9 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     ks = p.spec(("batch", "length", "act_kv_heads", "act_head_dim"))
     specs: tuple[P, ...] = (qs, ks, ks)
     args: tuple[Any, ...] = (q, k, v)
+    traced_window = window is not None and not isinstance(window, (int, np.integer))
+    if traced_window:  # a traced window (per layer) enters as a replicated scalar
+        specs, args = specs + (P(),), args + (jnp.asarray(window, jnp.int32),)
     if positions is not None:
         specs, args = specs + (p.spec(("length",)),), args + (positions,)
     # check_vma=False: under vmap (pipeline stages) JAX 0.10's varying-axes check rejects the ring's
@@ -218,7 +240,12 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla"):
     # ops are the explicit collectives above, so the check adds nothing to correctness.
     # manual over the axes of size > 1 only: every one of them splits q, k and v (the pipeline's vmap
     # adds `pipe`), so the backward has no axis to sum a replicated input's gradient over
+
+    def body(q, k, v, *rest):
+        w = rest[0] if traced_window else window
+        rest = rest[1:] if traced_window else rest
+        return local(q, k, v, rest[0] if rest else None, w)
+
     manual = rules.manual_axes()
-    fn = jax.shard_map(lambda q, k, v, *pos: local(q, k, v, pos[0] if pos else None), mesh=mesh,
-                       in_specs=specs, out_specs=qs, axis_names=manual, check_vma=False)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qs, axis_names=manual, check_vma=False)
     return fn(*args)

@@ -88,7 +88,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import SORTED_PIPE, ConfigError
-from jaxpar.layers.mlp import MLP
+from jaxpar.layers.mlp import GATED, KINDS, MLP, activate
 from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
 from jaxpar.partitioning import active_rules, param
 
@@ -179,8 +179,8 @@ class MoE(nnx.Module):
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
                  dispatch: str = "capacity", bias_update_rate: float = 0.0, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if kind not in ("gelu", "swiglu"):
-            raise ValueError(f"unknown expert kind {kind!r}; choose gelu or swiglu")
+        if kind not in KINDS:
+            raise ValueError(f"unknown expert kind {kind!r}; choose one of {', '.join(KINDS)}")
         # a library caller's mistake names the argument (and the config key train.py users set)
         if score not in SCORES:
             raise ConfigError(f"MoE(score={score!r}) (config key moe.score): choose one of {', '.join(SCORES)}")
@@ -213,7 +213,7 @@ class MoE(nnx.Module):
         self.router_bias = (param(jnp.zeros((n_experts,), jnp.float32), ("router",)) if bias_update_rate > 0
                             else None)
         self.in_axes: tuple[str, ...]
-        if kind == "swiglu":
+        if kind in GATED:
             self.in_axes = ("experts", "expert_embed", "fused", "mlp")
             w_in = init(rngs.params(), (n_experts, d_model, 2, d_ff), param_dtype)
         else:
@@ -323,7 +323,7 @@ class MoE(nnx.Module):
     def _experts(self, buf, w_in, w_out):
         """``buf [E_local, N, d]`` through each local expert's FFN (remat names ``mlp_up``, ``mlp_down``)."""
         h = checkpoint_name(jnp.einsum("end,ed...->en...", buf, w_in.astype(self.dtype)), "mlp_up")
-        h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if self.kind == "swiglu" else jax.nn.gelu(h, approximate=True)
+        h = activate(h, self.kind)
         return checkpoint_name(jnp.einsum("enf,efd->end", h, w_out.astype(self.dtype)), "mlp_down")
 
     def _stats(self, logits, r: Routing, token_axes: tuple, copies: tuple = ()) -> dict:

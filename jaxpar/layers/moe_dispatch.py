@@ -13,9 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-
-def _ffn(h, kind: str):
-    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if kind == "swiglu" else jax.nn.gelu(h, approximate=True)
+from jaxpar.layers.mlp import activate as _ffn
 
 
 def tile_rows(assignments: int, n_experts: int) -> int:

@@ -20,6 +20,11 @@ pipeline), which the trainer applies to parameters and undoes for checkpoints. T
 
 A stack inside a layer (e.g. a MoE group's dense blocks) is created with ``axis="sublayers"`` and
 applied with ``pipelined=False``: a plain scan inside its stage.
+
+Layers that differ in a value but not in their weights' shapes (Gemma 3's sliding-window and global
+layers: the window, the RoPE base) stay one stack: ``Stack(layers, per_layer={"window": [n]})`` scans
+the values (float32, in layer order; put in storage order here) with the weights, through the pipeline
+too, and calls each layer as ``layer(h, *args, window=w_i)``. Compile time stays flat in depth.
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ class Stack:
     a leading layer dim in storage order; through a pipeline, each the mean over the microbatches).
     """
 
-    def __init__(self, layers: nnx.Module, *, remat: str = "none", outputs: bool = False, pipelined: bool = True):
+    def __init__(self, layers: nnx.Module, *, remat: str = "none", outputs: bool = False, pipelined: bool = True,
+                 per_layer: dict | None = None):
         self.layers, self.remat, self.outputs, self.pipelined = layers, remat, outputs, pipelined
+        self.per_layer = dict(per_layer or {})
 
     @staticmethod
     def create(make, n: int, rngs: nnx.Rngs, axis: str = "layers") -> nnx.Module:
@@ -92,10 +99,37 @@ class Stack:
         s_ = rules.axis_size("pipe")
         return s_, rules.parallel.pipeline_repeats, rules.parallel.microbatches or s_
 
+    def _state(self):
+        """``(graphdef, state)`` of the layers; with per-layer values, ``state`` is ``(weights, values)``,
+        the values ``[n]`` float32 in the active layout's storage order (scanned and pipelined alike)."""
+        graphdef, state = nnx.split(self.layers)
+        if not self.per_layer:
+            return graphdef, state
+        pipe = self._stages()
+        n = jax.tree.leaves(state)[0].shape[0]
+        order = storage_order(n, pipe[0], pipe[1]) if pipe else np.arange(n)
+        values = {}
+        for k, v in self.per_layer.items():
+            v = np.asarray(v, np.float32)
+            if v.shape != (n,):
+                raise ValueError(f"Stack(per_layer={{{k!r}: ...}}) needs one value per layer ({n}); got shape {v.shape}")
+            values[k] = jnp.asarray(v[order])
+        return graphdef, (state, values)
+
+    def _axes(self, state) -> list[tuple]:
+        """:func:`leaf_axes` of :meth:`_state`'s state (per-layer values on the ``layers`` dim)."""
+        if not self.per_layer:
+            return leaf_axes(state)
+        return leaf_axes(state[0]) + [("layers",)] * len(jax.tree.leaves(state[1]))
+
     def _stage_fn(self, graphdef, args):
         """``(group_state, h) -> h`` (or ``(h, ys)``): a scan of the layers in ``group_state``."""
         def body(h, layer_state):
-            out = nnx.merge(graphdef, layer_state)(h, *args)
+            if self.per_layer:
+                layer_state, values = layer_state
+                out = nnx.merge(graphdef, layer_state)(h, *args, **values)
+            else:
+                out = nnx.merge(graphdef, layer_state)(h, *args)
             return out if self.outputs else (out, None)
 
         def run(group, h, select=None):
@@ -113,14 +147,14 @@ class Stack:
         return run
 
     def __call__(self, x: jax.Array, *args):
-        graphdef, state = nnx.split(self.layers)
+        graphdef, state = self._state()
         stage_fn = self._stage_fn(graphdef, args)
         pipe = self._stages()
         if pipe is None:
             return stage_fn(state, x)
         s_, r_, m_ = pipe
         return pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs,
-                        param_axes=leaf_axes(state))
+                        param_axes=self._axes(state))
 
     def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
              weights: dict | None = None) -> tuple[jax.Array, dict | None]:
@@ -136,7 +170,7 @@ class Stack:
         if pipe is None:
             raise ValueError("Stack.loss runs the stack in a pipeline: it needs parallel.pipe > 1")
         s_, r_, m_ = pipe
-        graphdef, state = nnx.split(self.layers)
+        graphdef, state = self._state()
         stage_fn = self._stage_fn(graphdef, args)
         if self.outputs and weights is None:
             weights = {}

@@ -1,0 +1,100 @@
+"""What the Llama-style families share: their ``config.json`` fields and RoPE settings."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxpar.errors import ConfigError
+
+# every switch of a decoder at its plain value: a family sets what it uses, so that an import pins every
+# switch and an export of a model that uses one its family lacks is refused by name
+PLAIN = {"model.qkv_bias": False, "model.qk_norm": False, "model.norm_placement": "pre", "model.norm_plus_one": False,
+         "model.embed_scale": False, "model.attn_scale": 0.0, "model.sliding_window": 0, "model.global_every": 0,
+         "model.rope_local_theta": 0.0, "model.rope_scaling": "none"}
+
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+
+
+def require(hf: dict, where: str, key: str, ok: Callable[[Any], bool], want: str, default=None) -> None:
+    if not ok(hf.get(key, default)):
+        raise ConfigError(f"{where}: {key}={hf.get(key, default)!r} is not supported by jaxpar (needs {want})")
+
+
+def rope_keys(rope: dict, where: str, field: str, theta_default: float = 10000.0) -> dict[str, Any]:
+    """jaxpar's RoPE keys of one ``rope_parameters`` dict (``field`` names it in errors): the base and the
+    scaling (``default``, ``linear``, ``llama3``; YaRN and the dynamic kinds are refused by name)."""
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: {field}.rope_type={kind!r} is not supported by jaxpar (choose one of "
+                          f"{', '.join(ROPE_TYPES)})")
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"{where}: {field}.partial_rotary_factor={partial!r} is not supported by jaxpar (RoPE over "
+                          "the whole head only: 1.0)")
+    keys: dict[str, Any] = {"model.rope_theta": float(rope.get("rope_theta", theta_default)),
+                            "model.rope_scaling": ROPE_TYPES[kind]}
+    if kind in ("linear", "llama3"):
+        keys["model.rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        keys.update({"model.rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
+                     "model.rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
+                     "model.rope_original_context": int(rope.get("original_max_position_embeddings", 8192))})
+    return keys
+
+
+def rope_of(hf: dict) -> dict:
+    """The RoPE dict of a ``config.json`` (transformers 5's ``rope_parameters``, or the older ``rope_scaling``
+    with a top-level ``rope_theta``)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in hf:
+        rope.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    return rope
+
+
+def rope_field(hf: dict) -> str:
+    return "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+
+
+def rope_parameters(m) -> dict:
+    """A resolved model config's RoPE as a ``rope_parameters`` dict (the global layers')."""
+    out: dict[str, Any] = {"rope_type": {v: k for k, v in ROPE_TYPES.items()}[m.rope_scaling],
+                           "rope_theta": m.rope_theta}
+    if m.rope_scaling in ("linear", "llama3"):
+        out["factor"] = m.rope_factor
+    if m.rope_scaling == "llama3":
+        out.update({"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                    "original_max_position_embeddings": m.rope_original_context})
+    return out
+
+
+def decoder_keys(hf: dict, where: str, act_field: str = "hidden_act", act: str = "silu") -> dict[str, Any]:
+    """The keys every Llama-style decoder's ``config.json`` sets (sizes, RoPE, untied or tied head)."""
+    require(hf, where, act_field, lambda v: v == act, act, act)
+    heads = hf["num_attention_heads"]
+    keys = {**PLAIN, "model.style": "llama", "model.positions": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu",
+            "model.bias": False, "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "model.n_layers": hf["num_hidden_layers"], "model.d_model": hf["hidden_size"], "model.n_heads": heads,
+            "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
+            "model.head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "model.d_ff": hf["intermediate_size"],
+            "model.vocab_size": hf["vocab_size"], "model.norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    keys.update(rope_keys(rope_of(hf), where, rope_field(hf)))
+    return keys
+
+
+def full_attention_only(hf: dict, where: str) -> None:
+    """Families whose sliding-window layers jaxpar does not build (Qwen2/3's ``max_window_layers`` split)."""
+    types = hf.get("layer_types") or []
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in types):
+        field = "use_sliding_window" if hf.get("use_sliding_window") else "layer_types"
+        raise ConfigError(f"{where}: {field}={hf.get(field)!r} is not supported by jaxpar (sliding-window layers from "
+                          "max_window_layers on; every layer full attention is)")
+
+
+def decoder_config(m, act_field: str = "hidden_act", act: str = "silu") -> dict[str, Any]:
+    """The ``config.json`` fields of a resolved Llama-style model config."""
+    return {"num_hidden_layers": m.n_layers, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
+            "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim, "intermediate_size": m.d_ff,
+            "vocab_size": m.vocab_size, "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
+            "rope_theta": m.rope_theta, "rope_parameters": rope_parameters(m), act_field: act,
+            "tie_word_embeddings": m.tie_embeddings}
