@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.data.tokenizer import prompt_ids
 from jaxpar.layers.embedding import vocab_logits
 from jaxpar.partitioning import use_rules
 
@@ -269,7 +270,7 @@ def for_trainer(trainer) -> Generator:
 def generate_text(trainer, params, tokenizer, prompt: str, n_tokens: int, sampling: Sampling, rows: int = 1,
                   seed: int = 0) -> list[str]:
     """``rows`` samples of ``n_tokens`` after ``prompt`` from a :class:`~jaxpar.trainer.Trainer`'s model."""
-    ids = [int(i) for i in tokenizer.encode(prompt)] or [0]
+    ids = prompt_ids(tokenizer, prompt) or [0]
     out = for_trainer(trainer)(params, [ids] * rows, n_tokens, sampling, seed, vocab=tokenizer.vocab_size)
     return [tokenizer.decode(np.asarray(o, np.int32)) for o in out]
 
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                             top_p=s.top_p if a.top_p is None else a.top_p,
                             stop=tuple(int(i) for text in a.stop for i in tokenizer.encode(text)[:1]))
         prompts = a.prompt or [s.prompt]
-        ids = [[int(i) for i in tokenizer.encode(p)] or [0] for p in prompts]
+        ids = [prompt_ids(tokenizer, p) or [0] for p in prompts]
         out = for_trainer(trainer)(params, ids, n, sampling, a.seed, vocab=tokenizer.vocab_size)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -177,10 +177,10 @@ def test_config_errors(tmp_path, hf_dirs):
         load_config(None, [f"model.init_from=hf:{d}", "model.d_model=64"])
     with pytest.raises(ConfigError, match="no config.json"):
         load_config(None, [f"model.init_from=hf:{tmp_path}"])
-    for change, field in [({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-                           "rope_parameters.rope_type='llama3'"),
+    for change, field in [({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}},
+                           "rope_parameters.rope_type='dynamic'"),
                           ({"attention_bias": True}, "attention_bias=True"),
-                          ({"model_type": "qwen2"}, "model_type='qwen2'"),
+                          ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
                           ({"hidden_act": "gelu"}, "hidden_act='gelu'")]:
         bad = tmp_path / field.split("=")[0]
         bad.mkdir()

@@ -42,7 +42,7 @@ import numpy as np
 from jaxpar.config import ConfigError
 from jaxpar.data import store as st
 from jaxpar.data.corpus import iter_documents
-from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, encode_many
+from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, document, encode_many
 
 BYTE_SEP = "\n\n"  # between documents when the tokenizer has no end-of-text id (as encode_documents)
 
@@ -223,8 +223,9 @@ class Preparer:
             nonlocal batch, cursors, batch_bytes
             sp = splits[batch_split]
             for ids, nxt in zip(encode_many(tok, batch), cursors):
-                sp.writer.write(ids if tok.eos_id is None else np.append(ids, np.int32(tok.eos_id)))
-                sp.tokens += len(ids) + (tok.eos_id is not None)
+                ids = document(tok, ids) if tok.eos_id is not None else ids  # bytes: joined by BYTE_SEP
+                sp.writer.write(ids)
+                sp.tokens += len(ids)
                 sp.documents += 1
                 if sp.writer.full():
                     sp.writer.close_shard()

@@ -35,6 +35,7 @@ _CHUNK_CHARS = 4096
 class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int | None
+    bos_ids: tuple[int, ...]  # what the tokenizer puts before a text (Llama 3, Gemma: a BOS token; GPT-2: none)
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -50,6 +51,7 @@ class ByteTokenizer:
 
     vocab_size: int = 256
     eos_id: int | None = None
+    bos_ids: tuple[int, ...] = ()
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -80,6 +82,7 @@ class BPETokenizer:
         ids = tok.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
         self.eos_id = next((i for i in map(tok.token_to_id, _EOS_CANDIDATES) if i is not None), None)
+        self.bos_ids = _prefix(tok)
 
     @classmethod
     def train(cls, texts: Sequence[str], vocab_size: int, path: str | os.PathLike) -> "BPETokenizer":
@@ -145,14 +148,36 @@ class BPETokenizer:
         return self._tok.to_str()
 
 
+def _prefix(tok) -> tuple[int, ...]:
+    """The ids a ``tokenizers.Tokenizer``'s post-processor puts before a text (its BOS: Llama 3's
+    ``<|begin_of_text|>``, Gemma's ``<bos>``; none for GPT-2, Qwen or a BPE trained here)."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    k = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    return tuple(int(i) for i in full[:k])
+
+
+def document(tok: Tokenizer, ids: np.ndarray) -> np.ndarray:
+    """One document's ids as the training stream holds them: the tokenizer's BOS ids (if it adds any),
+    the text's ids, and ``tok.eos_id`` (if it has one)."""
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    return np.concatenate([np.asarray(getattr(tok, "bos_ids", ()), np.int32), ids.astype(np.int32),
+                           np.asarray(eos, np.int32)])
+
+
 def encode_documents(tok: Tokenizer, docs: str | Sequence[str], sep: str = "\n\n") -> np.ndarray:
-    """One int32 token stream for ``docs``, each document followed by ``tok.eos_id``; without an
-    EOS token (bytes) the documents are joined by ``sep`` instead. A str is a single document."""
+    """One int32 token stream for ``docs``, each document framed by :func:`document` (BOS where the
+    tokenizer adds one, then the EOS); without an EOS token (bytes) the documents are joined by ``sep``
+    instead. A str is a single document."""
     docs = [docs] if isinstance(docs, str) else list(docs)
     if tok.eos_id is None:
         return tok.encode(sep.join(docs))
-    eos = np.array([tok.eos_id], np.int32)
-    return np.concatenate([part for d in docs for part in (tok.encode(d), eos)] or [eos[:0]])
+    return np.concatenate([document(tok, tok.encode(d)) for d in docs] or [np.zeros((0,), np.int32)])
+
+
+def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
+    """A generation prompt's ids as the tokenizer frames a text (its BOS first, if it adds one)."""
+    return [int(i) for i in (*getattr(tok, "bos_ids", ()), *tok.encode(text))]
 
 
 def encode_many(tok: Tokenizer, docs: Sequence[str]) -> list[np.ndarray]:

@@ -72,12 +72,12 @@ def decoder_keys(hf: dict, where: str, act_field: str = "hidden_act", act: str =
     """The keys every Llama-style decoder's ``config.json`` sets (sizes, RoPE, untied or tied head)."""
     require(hf, where, act_field, lambda v: v == act, act, act)
     heads = hf["num_attention_heads"]
-    keys = {**PLAIN, "model.style": "llama", "model.positions": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu",
+    keys = {"model.style": "llama", "model.positions": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu",
             "model.bias": False, "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "model.n_layers": hf["num_hidden_layers"], "model.d_model": hf["hidden_size"], "model.n_heads": heads,
             "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
             "model.head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "model.d_ff": hf["intermediate_size"],
-            "model.vocab_size": hf["vocab_size"], "model.norm_eps": hf.get("rms_norm_eps", 1e-6)}
+            "model.vocab_size": hf["vocab_size"], "model.norm_eps": hf.get("rms_norm_eps", 1e-6), **PLAIN}
     keys.update(rope_keys(rope_of(hf), where, rope_field(hf)))
     return keys
 

@@ -60,13 +60,18 @@ def config_keys(hf: dict, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return hard, {}
 
 
+def _scalar(x: float) -> int | float:
+    """transformers' Gemma 3 config takes an int ``query_pre_attn_scalar`` (the head width it stands for)."""
+    return int(round(x)) if abs(x - round(x)) < 1e-6 * x else x
+
+
 def to_hf(m, moe=None) -> dict[str, Any]:
     types = [LOCAL if w else GLOBAL for w in m.layer_windows()]
     local = {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta}
     out = decoder_config(m, "hidden_activation", "gelu_pytorch_tanh")
     out.update({"rope_parameters": {GLOBAL: rope_parameters(m), LOCAL: local}, "layer_types": types,
                 "sliding_window": m.sliding_window or None,
-                "query_pre_attn_scalar": (m.attn_scale or m.head_dim ** -0.5) ** -2,
+                "query_pre_attn_scalar": _scalar((m.attn_scale or m.head_dim ** -0.5) ** -2),
                 "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
                 "use_bidirectional_attention": False})
     return out
