@@ -175,6 +175,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "vocab": ("tensor",), "act_vocab": ("tensor",),
         "heads": ("tensor",), "act_heads": ("tensor",),
         "kv_heads": ("tensor",), "act_kv_heads": ("tensor",),
+        "kv_rep": (),  # KV heads fewer than tensor devices: stored whole, copied per device (Attention)
         "mlp": ("tensor",), "act_mlp": ("tensor",),
         "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (),
         "layers": ("pipe",),
@@ -198,10 +199,14 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
     """Divisibility of the model by the mesh, with errors naming config keys."""
     m = model.resolved()
     t = sizes["tensor"]
-    for key, v in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("d_ff", m.d_ff)):
+    for key, v in (("n_heads", m.n_heads), ("d_ff", m.d_ff)):
         if v % t:
             raise ConfigError(f"parallel.tensor={t} does not divide model.{key}={v}; choose tensor among "
                               f"{_divisors(v)} or change model.{key}")
+    if m.n_kv_heads % t and t % m.n_kv_heads:  # fewer KV heads than tensor devices: each is copied (Attention)
+        raise ConfigError(f"parallel.tensor={t} neither divides model.n_kv_heads={m.n_kv_heads} nor is a multiple of "
+                          f"it (each KV head is then copied to tensor / n_kv_heads devices); choose tensor among "
+                          f"{_divisors(m.n_kv_heads)} or a multiple of {m.n_kv_heads} that divides model.n_heads")
     n = sizes["seq"]
     if n > 1:
         need = n * (2 if par.seq_attention == "ring" and par.seq_zigzag else 1)

@@ -58,7 +58,7 @@ class Block(nnx.Module):
     ``window``: the layer's sliding window when the layers differ (a per-layer value of the stack).
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, ffn=None):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, ffn=None, tensor: int = 1):
         pd = DTYPES[cfg.param_dtype]
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         norm = dict(eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd, plus_one=cfg.norm_plus_one)
@@ -69,8 +69,8 @@ class Block(nnx.Module):
                               qkv_bias=cfg.qkv_bias, rope_freqs=glob, rope_local_freqs=local, qk_norm=cfg.qk_norm,
                               norm_eps=cfg.norm_eps, norm_plus_one=cfg.norm_plus_one, scale=cfg.attn_scale or None,
                               window=0 if cfg.global_every else cfg.sliding_window,
-                              init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, dtype=dtype,
-                              param_dtype=pd, rngs=rngs)
+                              init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, tensor=tensor,
+                              dtype=dtype, param_dtype=pd, rngs=rngs)
         self.post_norm1 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None
         self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.mlp = (ffn(rngs) if ffn is not None else
@@ -109,6 +109,7 @@ class GPT(nnx.Module):
         self.pos_embed = (param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq_len, cfg.d_model), pd),
                                 ("positions", "embed"))
                           if cfg.positions == "learned" else None)
+        self.tensor = tensor
         self.blocks = self.make_blocks(cfg, dtype, rngs)
         self.norm_f = make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.bias, param_dtype=pd,
                                 plus_one=cfg.norm_plus_one)
@@ -122,7 +123,7 @@ class GPT(nnx.Module):
 
     def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
         """The stacked layers between embedding and head (a subclass may build others, e.g. MoE)."""
-        return Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r), cfg.n_layers, rngs)
+        return Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r, tensor=self.tensor), cfg.n_layers, rngs)
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""

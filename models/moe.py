@@ -43,7 +43,7 @@ class MoEBlock(Block):
     """GPT's pre-norm block with the MLP replaced by a :class:`~jaxpar.layers.MoE` layer;
     ``__call__`` returns ``(x, stats)``."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, tensor: int = 1):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
         def experts(r):
@@ -53,7 +53,7 @@ class MoEBlock(Block):
                        score=moe.score, dispatch=moe.dispatch, bias_update_rate=moe.bias_update_rate, dtype=dtype,
                        param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
-        super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts)
+        super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts, tensor=tensor)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
         x = self.attn_residual(x, lambda h: self.attn(h, positions))
@@ -64,10 +64,11 @@ class MoEBlock(Block):
 class MoEGroup(nnx.Module):
     """``every - 1`` dense blocks (stacked, scanned) followed by one MoE block."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.dense = (Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r), moe.every - 1, rngs, axis="sublayers")
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, tensor: int = 1):
+        self.dense = (Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r, tensor=tensor), moe.every - 1, rngs,
+                                   axis="sublayers")
                       if moe.every > 1 else None)
-        self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs)
+        self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs, tensor=tensor)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
         if self.dense is not None:
@@ -86,7 +87,8 @@ class MoETransformer(GPT):
 
     def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
         groups = cfg.n_layers // self.moe_cfg.every
-        return Stack.create(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r), groups, rngs)
+        return Stack.create(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r, tensor=self.tensor), groups,
+                            rngs)
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True)(x, positions)

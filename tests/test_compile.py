@@ -1,5 +1,7 @@
 """python -m jaxpar.compile: the shipped GPT-3 175B and Mixtral 8x7B configs compile ahead of time for
-1024 and 256 simulated devices without allocating a weight (each in seconds: the full scale is tested).
+1024 and 256 simulated devices without allocating a weight (each in seconds: the full scale is tested),
+and the shipped one-node configs of today's dense families (Llama 3.1 8B, Qwen3-8B, Mistral 7B, Gemma 3 4B,
+Qwen2.5-7B) for 8 devices of 80 GiB in their planned layouts.
 
 References: the parameter counts by hand from the published shapes, the per-device state as the total
 over the devices, and the compiled collectives against the analytic model of jaxpar.comm.
@@ -48,12 +50,87 @@ def test_large_configs_compile_ahead_of_time(tmp_path, config, devices, params):
     # small vectors (norms, biases) kept whole
     assert 1.0 <= state / (3 * 4 * params / devices) < 1.05
     assert r["per_device"]["total"] < 80 * GIB
+    assert_collectives_match_model(r)
+
+
+def assert_collectives_match_model(r: dict) -> None:
+    """The compiled collectives of a report, by kind and mesh axes, within 1% of jaxpar.comm's model of
+    XLA:CPU's (or negligible)."""
     got, model = r["collectives"], r["collectives_model"]["cpu"]
     total = sum(v for by in got.values() for v in by.values())
     for kind in set(got) | set(model):
         for axes in set(got.get(kind, {})) | set(model.get(kind, {})):
             a, b = got.get(kind, {}).get(axes, 0.0), model.get(kind, {}).get(axes, 0.0)
             assert abs(a - b) <= 0.01 * max(a, b) or max(a, b) < 1e-4 * total, (kind, axes, a, b)
+
+
+def attention_params(d: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Q and O of d x heads*head_dim, K and V of d x kv_heads*head_dim (no biases)."""
+    return 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
+
+
+def llama31_8b_params() -> int:
+    """Llama 3.1 8B: 32 layers of GQA attention (32 query, 8 KV heads of 128), two RMSNorms and a SwiGLU
+    MLP 3 d x 14336; untied embedding and head of 128256 (a multiple of 128 and of tensor=2: no padding);
+    final RMSNorm. Meta's published count: 8,030,261,248."""
+    d, L = 4096, 32
+    return L * (attention_params(d, 32, 8, 128) + 2 * d + 3 * d * 14336) + 2 * 128256 * d + d
+
+
+def qwen3_8b_params() -> int:
+    """Qwen3-8B: 36 layers of attention (32 query, 8 KV heads of head_dim 128) with QK-norm (one weight of
+    head_dim for the queries, one for the keys), two RMSNorms, SwiGLU 3 d x 12288; untied embedding and head of
+    151936 (a multiple of 128 and of 2); final RMSNorm."""
+    d, L, hd = 4096, 36, 128
+    return L * (attention_params(d, 32, 8, hd) + 2 * hd + 2 * d + 3 * d * 12288) + 2 * 151936 * d + d
+
+
+def mistral_7b_params() -> int:
+    """Mistral 7B v0.1: Llama's layer (32 query, 8 KV heads of 128, SwiGLU 3 d x 14336, two RMSNorms) x 32;
+    untied embedding and head of 32000; final RMSNorm (sliding windows add no weight)."""
+    d, L = 4096, 32
+    return L * (attention_params(d, 32, 8, 128) + 2 * d + 3 * d * 14336) + 2 * 32000 * d + d
+
+
+def gemma3_4b_params() -> int:
+    """Gemma 3 4B (text): 34 layers of attention (8 query, 4 KV heads of head_dim 256) with QK-norm (2 x 256),
+    the four norms of the sandwich layer (before and after attention and MLP), GeGLU 3 d x 10240; one tied
+    embedding of 262208 padded to 262272 (a multiple of 128); final norm."""
+    d, L, hd = 2560, 34, 256
+    return L * (attention_params(d, 8, 4, hd) + 2 * hd + 4 * d + 3 * d * 10240) + 262272 * d + d
+
+
+def qwen25_7b_params() -> int:
+    """Qwen2.5-7B: 28 layers of attention (28 query, 4 KV heads of 128) with biases on Q (3584), K and V
+    (512 each), two RMSNorms, SwiGLU 3 d x 18944; untied embedding and head of 152064 (a multiple of 128);
+    final RMSNorm."""
+    d, L = 3584, 28
+    return (L * (attention_params(d, 28, 4, 128) + 28 * 128 + 2 * 4 * 128 + 2 * d + 3 * d * 18944)
+            + 2 * 152064 * d + d)
+
+
+@pytest.mark.parametrize("config,params", [("llama3_8b.yaml", llama31_8b_params()),
+                                           ("qwen3_8b.yaml", qwen3_8b_params()),
+                                           ("mistral_7b.yaml", mistral_7b_params()),
+                                           ("gemma3_4b.yaml", gemma3_4b_params()),
+                                           ("qwen2.5_7b.yaml", qwen25_7b_params())])
+def test_family_configs_compile_for_one_node(tmp_path, config, params):
+    """Each family's shipped config, in the layout planned for 8 x H100 80GB, compiles for its 8 devices
+    (tens of seconds each) and fits 80 GiB per device, with the published parameter count."""
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    p = subprocess.run([sys.executable, "-m", "jaxpar.compile", "--config", f"configs/{config}", "--hbm-gib", "80",
+                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "fits in 80 GiB per device" in p.stdout, p.stdout
+    r = json.loads(out.read_text())
+    assert r["devices"] == 8 and r["parameters"] == params
+    assert r["per_device"]["total"] < 80 * GIB
+    # ZeRO-1: float32 parameters split over tensor only, the two float32 moments over all 8 devices (but for a
+    # few small vectors kept whole)
+    state = r["per_device"]["params"] + r["per_device"]["opt"]
+    assert 1.0 <= state / (4 * params / r["mesh"]["tensor"] + 2 * 4 * params / 8) < 1.01
+    assert_collectives_match_model(r)
 
 
 def test_bad_input_is_one_line():

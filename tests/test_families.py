@@ -78,9 +78,12 @@ LAYOUTS = {
     "su": ["parallel.seq=2", "parallel.data=2", "parallel.seq_attention=ulysses"],
     "sa": ["parallel.seq=2", "parallel.tensor=2", "parallel.seq_attention=all_gather"],
     "circ": ["parallel.pipe=2", "parallel.pipeline_repeats=3", "parallel.microbatches=2", "parallel.data=2"],
+    # tensor=4 > the 2 KV heads: each KV head copied to the two devices that share it
+    "t4": ["parallel.data=2", "parallel.tensor=4"],
+    "t4sp": ["parallel.data=2", "parallel.tensor=4", "parallel.megatron_sp=true"],
 }
 CASES = [(f, lay) for f in FAMILIES for lay in ("1", "dt", "pt", "st")] + [
-    ("gemma3", lay) for lay in ("dtz3", "msp", "su", "sa", "circ")]
+    ("gemma3", lay) for lay in ("dtz3", "msp", "su", "sa", "circ", "t4sp")] + [("qwen2", "t4")]
 
 _dirs: dict = {}
 
@@ -145,9 +148,14 @@ def test_import_matches_transformers(tmp_path_factory, family, layout):
         _one_device[family] = jax.device_get(jax.jit(one.grads)(p1, one.place_batch(
             {"inputs": seq[:, :-1], "targets": seq[:, 1:]}))[2])
     assert_trees_close(grads, _one_device[family], 2e-5, f"{family} {layout} grads ")
+    if layout.startswith("t4"):  # the stored KV heads are whole on each tensor device; the query heads split
+        spec = trainer.state_shardings["params"]["blocks"]["attn"]["qkv"]["kernel"].spec
+        assert "tensor" not in jax.tree.leaves(tuple(spec)), spec
+        assert "tensor" in jax.tree.leaves(tuple(trainer.state_shardings["params"]["blocks"]["attn"]["o"]["kernel"].spec))
 
 
-@pytest.mark.parametrize("family,layout", [(f, "1") for f in FAMILIES] + [("gemma3", "dt"), ("mistral", "pt")])
+@pytest.mark.parametrize("family,layout", [(f, "1") for f in FAMILIES] + [("gemma3", "dt"), ("mistral", "pt"),
+                                                                          ("qwen2", "t4")])
 def test_greedy_generation_matches_transformers(tmp_path_factory, family, layout):
     """Greedy tokens equal transformers' greedy ``generate``, 22 tokens past prompts of 3-6 (the sliding
     windows are 5 positions: most steps attend through them)."""
@@ -234,7 +242,7 @@ def test_switches_that_no_family_has_refuse_to_export():
     """A model whose switches no family combines is refused by name, never exported as another model."""
     for over, key in [(["model.qk_norm=true", "model.sliding_window=8"], "model.sliding_window"),
                       (["model.qkv_bias=true", "model.qk_norm=true"], "model.qkv_bias"),
-                      (["model.norm_placement=sandwich"], "model.qk_norm"),
+                      (["model.norm_placement=sandwich"], "model.mlp"),
                       (["model.rope_scaling=llama3", "model.norm_placement=sandwich", "model.norm_plus_one=true",
                         "model.embed_scale=true", "model.mlp=geglu", "model.qk_norm=true", "model.tie_embeddings=true",
                         "model.sliding_window=4", "model.global_every=2"], "model.rope_local_theta")]:

@@ -14,6 +14,8 @@ out-projection) and ``out_proj``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,7 +27,18 @@ from jaxpar.layers.context_parallel import sharded_attention
 from jaxpar.layers.linear import ColumnParallelLinear, RowParallelLinear
 from jaxpar.layers.norm import RMSNorm
 from jaxpar.layers.precision import f32_einsum
-from jaxpar.partitioning import constrain, constrain_weight, param
+from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
+
+
+def _copy_kv(kernel: jax.Array, *, copies: int, group: int) -> tuple[jax.Array, tuple]:
+    """The fused QKV kernel ``[embed, KV, group + 2, D]`` laid out for ``KV x copies`` head groups of
+    ``group / copies`` query heads each, with their KV head copied: ``[embed, KV copies, group / copies + 2,
+    D]`` (query head order unchanged), and its logical names."""
+    d, kv, _, hd = kernel.shape
+    q = kernel[:, :, :group].reshape(d, kv, copies, group // copies, hd)
+    k, v = (jnp.broadcast_to(kernel[:, :, i, None, None], (d, kv, copies, 1, hd)) for i in (group, group + 1))
+    out = jnp.concatenate([q, k, v], axis=3).reshape(d, kv * copies, group // copies + 2, hd)
+    return out, ("embed", "kv_heads", "fused", "head_dim")
 
 
 class Attention(nnx.Module):
@@ -36,6 +49,13 @@ class Attention(nnx.Module):
     its key, then its value. Splitting ``kv_heads`` over ``tensor`` keeps every group whole on one
     device, and a single matmul means a single all-reduce of the input gradient in the backward
     (three separate projections would cost three).
+
+    When ``tensor`` (the layout's tensor size) is larger than the KV heads (an MQA model on tensor=2,
+    Qwen2.5-7B's 4 KV heads on tensor=8), each KV head is copied for the ``tensor / kv_heads`` devices
+    that share it, as Megatron does: the stored kernel keeps ``kv_heads`` (named ``kv_rep``: not split
+    over ``tensor``), and the matmul takes a copy laid out ``[embed, tensor, group / copies + 2,
+    head_dim]`` split over ``tensor``, so each device computes its own query heads and its KV head;
+    the copies' gradients are summed into the one stored head by the copy's transpose.
 
     Switches (each a model config key, see :class:`jaxpar.config.ModelConfig`): ``qkv_bias`` (biases on
     Q, K, V; the key's only where it can matter, i.e. with RoPE or QK-norm after it), ``use_bias`` (the
@@ -50,10 +70,13 @@ class Attention(nnx.Module):
                  rope_freqs: tuple[float, ...] | None = None, rope_local_freqs: tuple[float, ...] | None = None,
                  qk_norm: bool = False, norm_eps: float = 1e-6, norm_plus_one: bool = False,
                  scale: float | None = None, window: int = 0, init_std: float = 0.02,
-                 out_init_std: float | None = None, kernel: str = "auto", dtype=jnp.float32,
+                 out_init_std: float | None = None, kernel: str = "auto", tensor: int = 1, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
+        # KV heads copied over the tensor devices that share them (class docstring)
+        self.kv_copies = tensor // n_kv_heads if tensor > n_kv_heads and tensor % n_kv_heads == 0 else 1
+        kv_axis = "kv_rep" if self.kv_copies > 1 else "kv_heads"
         # an explicit kernel that cannot run here fails now; auto also looks at the sequence length per call
         attention_ops.choose(kernel, dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads)
         self.kernel = kernel
@@ -65,7 +88,7 @@ class Attention(nnx.Module):
         self.scale, self.window = scale, window
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.qkv = ColumnParallelLinear(d_model, (n_kv_heads, self.group + 2, head_dim), name="qkv_proj",
-                                        out_axes=("kv_heads", "fused", "head_dim"),
+                                        out_axes=(kv_axis, "fused", "head_dim"),
                                         act_axes=("batch", "length", "act_kv_heads", None, "act_head_dim"),
                                         use_bias=False, kernel_init=nnx.initializers.normal(init_std), **kw)
         qkv_bias = use_bias if qkv_bias is None else qkv_bias
@@ -74,10 +97,8 @@ class Attention(nnx.Module):
         # arithmetic and Adam would turn round-off into steps, so it exists only where it can matter.
         key_bias = qkv_bias and (rope_freqs is not None or qk_norm)
         self.q_bias = param(jnp.zeros((n_heads, head_dim), param_dtype), ("heads", "head_dim")) if qkv_bias else None
-        self.k_bias = (param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim"))
-                       if key_bias else None)
-        self.v_bias = (param(jnp.zeros((n_kv_heads, head_dim), param_dtype), ("kv_heads", "head_dim"))
-                       if qkv_bias else None)
+        self.k_bias = param(jnp.zeros((n_kv_heads, head_dim), param_dtype), (kv_axis, "head_dim")) if key_bias else None
+        self.v_bias = param(jnp.zeros((n_kv_heads, head_dim), param_dtype), (kv_axis, "head_dim")) if qkv_bias else None
         norm = dict(eps=norm_eps, plus_one=norm_plus_one, param_dtype=param_dtype)
         self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
@@ -99,19 +120,33 @@ class Attention(nnx.Module):
             return local if window > 0 else glob
         return jnp.where(window > 0, local, glob)
 
+    def _copies(self) -> int:
+        """How many copies of each KV head this call computes: ``kv_copies`` under a layout whose tensor
+        axis splits the heads (training), else 1 (generation, one device)."""
+        rules = active_rules()
+        return self.kv_copies if rules is not None and rules.axis_size("tensor") > 1 else 1
+
+    def _kv_bias(self, bias, copies: int) -> jax.Array:
+        b = bias[...]
+        if copies > 1:
+            b = jnp.repeat(constrain_weight(b, ("kv_rep", "head_dim")), copies, axis=0)
+        return constrain_weight(b, ("kv_heads", "head_dim")).astype(self.dtype)
+
     def _qkv(self, x: jax.Array, positions: jax.Array | None, window=None):
-        """Q ``[B, T, H, D]``, K and V ``[B, T, KV, D]`` of ``x``, biased, QK-normed, RoPE at ``positions``
-        (``[T]`` or ``[B, T]``; None: ``0..T-1``)."""
+        """Q ``[B, T, H, D]``, K and V ``[B, T, KV, D]`` of ``x`` (``KV`` x the copies of :meth:`_copies`),
+        biased, QK-normed, RoPE at ``positions`` (``[T]`` or ``[B, T]``; None: ``0..T-1``)."""
         b, t = x.shape[:2]
-        qkv = self.qkv(x)  # [B, T, KV, group + 2, D]
-        q = qkv[..., : self.group, :].reshape(b, t, self.n_heads, self.head_dim)
-        k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
+        r = self._copies()
+        group = self.group // r
+        qkv = self.qkv(x, None if r == 1 else functools.partial(_copy_kv, copies=r, group=self.group))
+        q = qkv[..., :group, :].reshape(b, t, self.n_heads, self.head_dim)  # [B, T, KV r, group / r + 2, D]
+        k, v = qkv[..., group, :], qkv[..., group + 1, :]
         if self.q_bias is not None:
             q = q + constrain_weight(self.q_bias[...], ("heads", "head_dim")).astype(self.dtype)
         if self.k_bias is not None:
-            k = k + constrain_weight(self.k_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
+            k = k + self._kv_bias(self.k_bias, r)
         if self.v_bias is not None:
-            v = v + constrain_weight(self.v_bias[...], ("kv_heads", "head_dim")).astype(self.dtype)
+            v = v + self._kv_bias(self.v_bias, r)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))

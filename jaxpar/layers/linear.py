@@ -73,26 +73,33 @@ class ParallelLinear(nnx.Module):
         y = jnp.einsum(f"{batch}{ins},{ins}{outs}->{batch}{outs}", x.astype(self.dtype), kernel.astype(self.dtype))
         return y if bias is None else y + bias.astype(self.dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, transform=None) -> jax.Array:
+        """``x @ kernel (+ bias)``. ``transform(kernel) -> (kernel', axes')``: a function of the stored
+        kernel (in its compute layout) to multiply by instead, with the logical names of its dims (e.g.
+        attention's K/V heads copied for the tensor devices that share them); its output activation
+        takes ``act_axes``."""
         rules = active_rules()
+        kernel, axes = self.kernel[...], self.kernel_axes
+        if transform is not None:
+            kernel, axes = transform(constrain_weight(kernel, axes))
         if rules is not None and rules.megatron_sp and self.seq_mode is not None:
-            y = self._sequence_parallel(x, rules)
+            y = self._sequence_parallel(x, rules, kernel, axes)
         else:
-            kernel = constrain_weight(self.kernel[...], self.kernel_axes)
+            kernel = constrain_weight(kernel, axes)
             bias = None if self.bias is None else constrain_weight(self.bias[...], self.bias_axes)
             y = self._matmul(x, kernel, bias)
             y = constrain(y, self.act_axes) if self.act_axes is not None else y
         return y if self.name is None else checkpoint_name(y, self.name)
 
-    def _sequence_parallel(self, x: jax.Array, rules) -> jax.Array:
+    def _sequence_parallel(self, x: jax.Array, rules, kernel: jax.Array, axes: tuple) -> jax.Array:
         """Explicit Megatron-SP collectives in a shard_map: all-gather the input along the sequence
         before a column-parallel matmul; reduce-scatter the output of a row-parallel one."""
         p = rules.params
-        in_act = tuple(_activation_name(a, p) for a in self.kernel_axes[: len(self.in_features)])
+        in_act = tuple(_activation_name(a, p) for a in axes[: len(self.in_features)])
         length = "res_length" if self.seq_mode == "gather" else "length"
         x_spec = p.spec(("batch", length) + in_act)
         out_spec = p.spec(self.act_axes)
-        k_spec = rules.compute.spec(self.kernel_axes)
+        k_spec = rules.compute.spec(axes)
         b_spec = rules.compute.spec(self.bias_axes)
 
         def local(x, kernel, bias):
@@ -104,7 +111,7 @@ class ParallelLinear(nnx.Module):
         bias = None if self.bias is None else self.bias[...]
         fn = jax.shard_map(local, mesh=p.mesh, in_specs=(x_spec, k_spec, None if bias is None else b_spec),
                            out_specs=out_spec)
-        return fn(x, self.kernel[...], bias)
+        return fn(x, kernel, bias)
 
 
 def _activation_name(weight_name: str, rules) -> str | None:
