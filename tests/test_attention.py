@@ -2,6 +2,7 @@
 kernel choice and its errors, the Pallas kernels through the model on every attention layout, and
 the cuDNN path lowered for CUDA (no GPU here: lowering needs none)."""
 
+import functools
 import re
 
 import jax
@@ -61,6 +62,44 @@ def test_kernel_matches_float64_and_xla_gradients(kernel, kv, t, offset):
     want = jax.grad(loss(KERNELS["xla"]), (0, 1, 2))(q, k, v)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-5
+
+
+def windowed_reference(q, k, v, window, scale):
+    """float64 causal attention within a sliding window: query i sees keys i - window + 1 .. i."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    out = np.zeros_like(q)
+    for hi in range(h):
+        for i in range(t):
+            lo = max(0, i - window + 1)
+            s = np.einsum("bd,bjd->bj", q[:, i, hi], k[:, lo:i + 1, hi // g]) * scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[:, i, hi] = np.einsum("bj,bjd->bd", p / p.sum(-1, keepdims=True), v[:, lo:i + 1, hi // g])
+    return out
+
+
+@pytest.mark.parametrize("kernel, traced", [("xla", False), ("xla", True), ("splash", False)])
+def test_sliding_window_and_scale_match_float64(kernel, traced):
+    """A sliding window (static, or traced as a per-layer value is) and a score scale other than
+    1/sqrt(D), in the reference kernel and the splash kernel (a static window: its LocalMask)."""
+    q, k, v = qkv(kv=2, t=128 if kernel == "splash" else 32)
+    window, scale = 7, 0.3
+    if kernel == "splash":
+        fn = lambda q, k, v: splash_attention(q, k, v, 0, interpret=True, scale=scale, window=window)  # noqa: E731
+    elif traced:
+        fn = jax.jit(lambda q, k, v, w: attention(q, k, v, "xla", scale=scale, window=w))
+        fn = functools.partial(fn, w=jnp.int32(window))
+    else:
+        fn = lambda q, k, v: attention(q, k, v, "xla", scale=scale, window=window)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(fn(q, k, v)), windowed_reference(q, k, v, window, scale), rtol=2e-5,
+                               atol=2e-5)
+
+
+def test_traced_window_refused_by_the_static_pallas_masks():
+    q, k, v = qkv(kv=2, t=128)
+    with pytest.raises(ConfigError, match="model.attention=pallas: .*model.global_every"):
+        jax.jit(lambda w: attention(q, k, v, "pallas", window=w))(jnp.int32(5))
 
 
 def test_explicit_positions_mask():

@@ -175,3 +175,56 @@ def test_zigzag_balances_causal_work(n):
         q = order[i * local:(i + 1) * local]
         visible = sum(int((q[:, None] >= order[None, j * local:(j + 1) * local]).any()) for j in range(n))
         assert visible == n  # every key block has something visible for every device under zig-zag
+
+
+def test_ring_skips_blocks_outside_the_sliding_window():
+    """With a window of 8 of 64 positions on seq=4 (zig-zag chunks of 8), the ring computes only the
+    blocks that hold a visible pair (counted as they run), and equals the windowed reference."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.layers import context_parallel
+    from jaxpar.layers.attention_ops import attention
+    from jaxpar.mesh import make_mesh
+
+    mesh = make_mesh(config("llama", parallel__seq=4).parallel, jax.devices()[:4])
+    t, n = 64, 4
+    order = jnp.asarray(zigzag_order(t, n))
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, t, 4, 8)), jnp.float32) for _ in range(3))
+    counted = []
+    original = context_parallel._update
+
+    def counting(carry, *a):  # a block that runs (not skipped by its cond) reports itself, with its data (a
+        # callback of no operands would be hoisted out of the ring's loop)
+        jax.debug.callback(lambda i, first: counted.append((int(i), int(first))), jax.lax.axis_index("seq"),
+                           jnp.min(a[3]))
+        return original(carry, *a)
+
+    def ring(window):
+        counted.clear()
+        f = jax.shard_map(lambda q, k, v, p: context_parallel.ring_attention(q, k, v, p, p, axis="seq", zigzag=True,
+                                                                             window=window),
+                          mesh=mesh, in_specs=(P(None, "seq"),) * 3 + (P("seq"),), out_specs=P(None, "seq"),
+                          check_vma=False)
+        out = f(q[:, order], k[:, order], v[:, order], order)
+        jax.effects_barrier()
+        return np.asarray(out)[:, np.argsort(np.asarray(order))], len(counted)
+
+    context_parallel._update = counting
+    try:
+        full, blocks_full = ring(None)
+        windowed, blocks_windowed = ring(8)
+    finally:
+        context_parallel._update = original
+    np.testing.assert_allclose(windowed, np.asarray(attention(q, k, v, "xla", window=8)), atol=2e-5)
+    np.testing.assert_allclose(full, np.asarray(attention(q, k, v, "xla")), atol=2e-5)
+    # by hand: each device's own block always runs (4), and each of the 3 ring steps x 4 devices one
+    # block (12). Device i holds chunks i and 7 - i of 8 positions; from device j < i it takes chunk j
+    # against its chunks (nearest: i), from j > i chunks j and 7 - j against its chunk 7 - i (nearest:
+    # 7 - j): with a window of 8 a pair is visible only when the chunks are adjacent, |i - j| = 1, which
+    # 6 of the 12 (device, sender) pairs are
+    assert blocks_full == 4 + 12
+    assert blocks_windowed == 4 + 6, blocks_windowed
