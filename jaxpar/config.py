@@ -120,9 +120,10 @@ class ModelConfig:
                          range=POSITIVE)
     vocab_multiple: int = _f(128, "Pad the vocabulary to a multiple of this (and of `tensor`).", range=POSITIVE)
     seq_len: int = _f(128, "Tokens per training sequence.", range=POSITIVE)
-    init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama, "
-                            "Mixtral; config.json + safetensors), whose config.json sets the architecture keys; "
-                            "a resumed run continues from its checkpoint instead. See the README.")
+    init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama "
+                            "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral; config.json + safetensors), whose "
+                            "config.json sets the architecture keys; a resumed run continues from its checkpoint "
+                            "instead. See the README.")
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
     norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
     mlp: str | None = _f(None, "gelu, swiglu (SiLU-gated) or geglu (tanh-GELU-gated, Gemma) (default from style).",
@@ -608,8 +609,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.global_every={r.global_every} interleaves sliding-window and global layers: it needs "
                           "model.sliding_window > 0")
     if r.rope_local_theta and not (r.sliding_window and r.positions == "rope"):
-        raise ConfigError(f"model.rope_local_theta={r.rope_local_theta:g} is the RoPE base of sliding-window layers: it "
-                          "needs model.sliding_window > 0 and model.positions=rope")
+        raise ConfigError(f"model.rope_local_theta={r.rope_local_theta:g} is the RoPE base of sliding-window layers: "
+                          "it needs model.sliding_window > 0 and model.positions=rope")
     if r.rope_scaling != "none" and r.positions != "rope":
         raise ConfigError(f"model.rope_scaling={r.rope_scaling} scales RoPE: it needs model.positions=rope")
     if r.rope_scaling == "llama3" and r.rope_low_freq_factor >= r.rope_high_freq_factor:

@@ -1,13 +1,14 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama (1/2/3 conventions) and Mixtral.
+"""Hugging Face checkpoints in and out: the families of :mod:`jaxpar.families` (GPT-2, Llama 1-3.x, Mistral,
+Qwen2.5, Qwen3, Gemma 3, Mixtral).
 
 **Import.** ``python train.py model.init_from=hf:/path/to/dir ...`` starts a run from a local Hugging
 Face model directory (``config.json`` and ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``; nothing is downloaded). :mod:`jaxpar.hf_config` turns ``config.json`` into
 jaxpar keys (``model.*``, and ``moe.*`` for Mixtral), which :func:`jaxpar.config.load_config` applies
 over the YAML file's: a command-line override that contradicts one is an error naming both values, and
-a ``config.json`` option jaxpar does not implement (a RoPE scaling type, biases in Llama attention, a
-sliding window shorter than ``model.seq_len``, router jitter, ...) is an error naming the field, never
-a silently different model. Keys that are training choices stay the user's: ``model.seq_len`` (for
+a ``config.json`` option jaxpar does not implement (YaRN RoPE scaling, biases in Llama attention,
+Gemma's soft-capping, router jitter, ...) is an error naming the field, never a silently different
+model. Keys that are training choices stay the user's: ``model.seq_len`` (for
 GPT-2's learned positions it defaults to ``n_positions`` and may be smaller: the first rows of the
 table are used), dtypes, remat, the attention kernel. Mixtral imports as ``moe.dropless=true`` (what
 Hugging Face computes) unless set, and ``moe.aux_loss_weight`` from ``router_aux_loss_coef`` (see
@@ -25,12 +26,14 @@ files that the mapping does not use is an error (a model jaxpar would load incom
 checkpoint, from any mesh, as a directory that ``transformers`` loads with ``from_pretrained``:
 ``config.json``, safetensors files of at most ``--shard-gb`` (with an index when there are several)
 in the checkpoint's parameter dtype, and ``tokenizer.json`` when the run trained or loaded one. A
-model ``transformers`` cannot express (a Llama with biases, a MoE with shared experts or a routing
-bias, ...) is an error naming the key. GPT-2's key bias is written as zeros: jaxpar has none because
-a key bias adds the same ``q . b_k`` to every score of a query, which softmax ignores.
+model no family expresses (a Llama with biases, QK-norm with a sliding window, a MoE with shared
+experts or a routing bias, ...) is an error naming the key. GPT-2's key bias is written as zeros:
+jaxpar has none there because a key bias adds the same ``q . b_k`` to every score of a query, which
+softmax ignores (with RoPE or QK-norm after it, Qwen2.5's, it matters and is kept).
 
-Long by design: the three architectures' weight layouts, both directions, sit side by side (each
-import rule next to its export rule), with the config translation they share.
+The weight layouts: GPT-2's own table, and one Llama-style table for every other family whose entries
+follow from the switches (Q/K/V biases, QK-norm weights, Gemma's sandwich norms; Mixtral's experts),
+both directions side by side (each import rule next to its export rule).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def _decoder_extras(m: ModelConfig) -> dict[tuple, str]:
     """A Llama-style layer's norms, Q/K/V biases and QK-norm weights: ``{jaxpar path: HF name}``, as the
     switches say (Gemma's sandwich norms: its post-attention norm is the attention output's, and the
     MLP's input norm is ``pre_feedforward_layernorm``)."""
-    out = {("norm1", "scale"): "input_layernorm.weight"}
+    out: dict[tuple, str] = {("norm1", "scale"): "input_layernorm.weight"}
     if m.norm_placement == "sandwich":
         out.update({("post_norm1", "scale"): "post_attention_layernorm.weight",
                     ("norm2", "scale"): "pre_feedforward_layernorm.weight",
@@ -142,12 +145,14 @@ def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int) -> tuple[str, dict[tup
         v = t("self_attn.v_proj.weight").T.reshape(d, kv, 1, hd)
         return np.concatenate([q, k, v], axis=2)
 
-    layer = {("attn", "qkv", "kernel"): qkv,
-             ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d)}
+    def read(name: str, shape: tuple | None) -> Callable:
+        return lambda t: t(name) if shape is None else t(name).reshape(shape)
+
+    layer: dict[tuple, Callable] = {
+        ("attn", "qkv", "kernel"): qkv,
+        ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d)}
     for path, name in _decoder_extras(m).items():
-        shape = {"q_bias": (h, hd), "k_bias": (kv, hd), "v_bias": (kv, hd)}.get(path[-1])
-        layer[path] = (lambda t, name=name: t(name)) if shape is None else (
-            lambda t, name=name, shape=shape: t(name).reshape(shape))
+        layer[path] = read(name, {"q_bias": (h, hd), "k_bias": (kv, hd), "v_bias": (kv, hd)}.get(path[-1]))
     if arch != "mixtral":
         layer[("mlp", "up", "kernel")] = lambda t: np.stack([t("mlp.gate_proj.weight").T, t("mlp.up_proj.weight").T],
                                                             axis=1)

@@ -24,6 +24,14 @@ TINY = {
               "model.n_kv_heads": 8, "model.d_ff": 128, "model.vocab_size": 250, "model.seq_len": 16},
     "llama_gqa": {"model.style": "llama", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 8,
                   "model.n_kv_heads": 4, "model.d_ff": 128, "model.vocab_size": 250, "model.seq_len": 16},
+    # every switch of Gemma 3 at once: local (window 4, own RoPE base) and global layers alternating, linear
+    # RoPE scaling on the global ones, QK-norm, sandwich (1 + w) norms, GeGLU, scaled embeddings and scores
+    "gemma3": {"model.style": "llama", "model.n_layers": 2, "model.d_model": 64, "model.n_heads": 8,
+               "model.n_kv_heads": 4, "model.head_dim": 16, "model.d_ff": 128, "model.vocab_size": 250,
+               "model.seq_len": 16, "model.mlp": "geglu", "model.qk_norm": True, "model.norm_placement": "sandwich",
+               "model.norm_plus_one": True, "model.embed_scale": True, "model.attn_scale": 0.2,
+               "model.sliding_window": 4, "model.global_every": 2, "model.rope_theta": 1e6,
+               "model.rope_scaling": "linear", "model.rope_local_theta": 1e4, "model.tie_embeddings": True},
 }
 BASE = {"train.batch_size": 16, "train.steps": 3, "train.warmup_steps": 1, "train.lr": 1e-2,
         "train.out_dir": "/tmp/jaxpar-test-run"}

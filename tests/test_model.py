@@ -156,6 +156,20 @@ def test_layer_scan_keeps_program_size_flat_in_depth():
     assert c6 > c2  # but the loop runs more iterations
 
 
+def test_layers_that_differ_still_scan():
+    """Gemma 3's interleaved local and global layers (a per-layer window scanned with the weights): the
+    compiled program of 24 layers is the one of 2 (within the 24-entry window table), and it runs more
+    iterations of the same loop."""
+    def program(n_layers):
+        t = trainer(config("gemma3", parallel__tensor=2, model__n_layers=n_layers))
+        c = t.compile()["collectives"]["all-reduce"]
+        return len(t.hlo_text().splitlines()), c["static_count"], c["count"]
+
+    (lines2, s2, c2), (lines24, s24, c24) = program(2), program(24)
+    assert s2 == s24 and c24 > c2
+    assert lines24 <= 1.02 * lines2, (lines2, lines24)
+
+
 def test_bfloat16_compute_is_close_to_float32():
     f32 = loss_grads(config("llama", parallel__tensor=2))[0]
     bf16 = loss_grads(config("llama", parallel__tensor=2, model__compute_dtype="bfloat16"))[0]

@@ -147,7 +147,7 @@ class Attention(nnx.Module):
             k = k + self._kv_bias(self.k_bias, r)
         if self.v_bias is not None:
             v = v + self._kv_bias(self.v_bias, r)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(q, ("batch", "length", "act_heads", "act_head_dim"))
         if self.rope_freqs is not None:

@@ -112,7 +112,8 @@ class Stack:
         for k, v in self.per_layer.items():
             v = np.asarray(v, np.float32)
             if v.shape != (n,):
-                raise ValueError(f"Stack(per_layer={{{k!r}: ...}}) needs one value per layer ({n}); got shape {v.shape}")
+                raise ValueError(f"Stack(per_layer={{{k!r}: ...}}) needs one value per layer ({n}); got shape "
+                                 f"{v.shape}")
             values[k] = jnp.asarray(v[order])
         return graphdef, (state, values)
 
