@@ -220,3 +220,22 @@ def test_cudnn_train_step_lowers_for_cuda(monkeypatch, layout, local):
              if "custom_call @CustomSPMDPartitioning" in line or "custom_call @__cudnn$fmha" in line]
     assert len(calls) == 2 and all(local in c for c in calls), calls  # one forward, one backward (layer scan)
     assert not re.search(r"tensor<\d+x\d+x(\d+x)*256x256x(f32|bf16)>", text)  # no [B, heads.., T, T] scores
+
+
+@pytest.mark.parametrize("over", [dict(model__global_every=0), {}], ids=["one-window", "per-layer-windows"])
+def test_cudnn_sliding_windows_lower_for_cuda(monkeypatch, over):
+    """Sliding windows through cuDNN (lowered for CUDA; platform and version checks patched as above): a
+    window shared by every layer as cuDNN's own local window, Gemma 3's per-layer windows (data scanned
+    with the weights) as a mask; one fused forward and one backward per layer scan, no score matrix."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(attention_ops, "_platform", lambda: "gpu")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    cfg = config("gemma3", model__attention="cudnn", model__compute_dtype="bfloat16", model__seq_len=256,
+                 parallel__data=2, parallel__tensor=2, **over)
+    t = trainer(cfg)
+    text = t._step_jit.trace(t.abstract_state, t.abstract_batch).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines()
+             if "custom_call @CustomSPMDPartitioning" in line or "custom_call @__cudnn$fmha" in line]
+    assert len(calls) == 2, calls
+    assert not re.search(r"tensor<\d+x\d+x(\d+x)*256x256x(f32|bf16)>", text) or over == {}

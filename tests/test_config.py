@@ -77,7 +77,9 @@ def test_bad_config_values(over, needle):
 
 @pytest.mark.parametrize("over, needle", [
     (dict(parallel__tensor=3, parallel__data=2), "parallel.tensor=3 does not divide model.n_heads=8"),
-    (dict(parallel__tensor=8, model__n_kv_heads=4, model__style="llama"), "model.n_kv_heads=4"),
+    # tensor=2 neither divides 3 KV heads nor is a multiple of them (tensor=8 over 4 KV heads copies each: fine)
+    (dict(parallel__tensor=2, parallel__data=2, model__n_heads=12, model__n_kv_heads=3, model__head_dim=16,
+          model__style="llama"), "neither divides model.n_kv_heads=3"),
     (dict(parallel__tensor=4, model__d_ff=6), "model.d_ff=6"),
     (dict(parallel__data=8, train__batch_size=12), "not divisible by the batch-parallel size data*expert=8"),
     (dict(parallel__data=8, parallel__zero=3, model__d_model=36, model__n_heads=4), "does not divide model.d_model=36"),

@@ -133,8 +133,9 @@ def test_import_matches_transformers(tmp_path_factory, family, layout):
     seq = tokens()
     ref = hf_logits(model, seq[:, :-1])
     trainer, params = importer(d, layout)
-    got = np.asarray(trainer.logits(params, jax.numpy.asarray(seq[:, :-1])))[..., :V]
-    assert np.max(np.abs(got - ref)) < 1e-4, np.max(np.abs(got - ref))
+    if layout in ("1", "dt", "pt", "st"):  # the others: the training path below (loss and gradients)
+        got = np.asarray(trainer.logits(params, jax.numpy.asarray(seq[:, :-1])))[..., :V]
+        assert np.max(np.abs(got - ref)) < 1e-4, np.max(np.abs(got - ref))
     batch = trainer.place_batch({"inputs": seq[:, :-1], "targets": seq[:, 1:]})
     loss, _, grads = jax.jit(trainer.grads)(params, batch)
     assert abs(float(loss) - ce64(ref, seq[:, 1:])) < 1e-5 * ce64(ref, seq[:, 1:])
@@ -178,8 +179,8 @@ def test_greedy_generation_matches_transformers(tmp_path_factory, family, layout
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_path, family):
     """An unmodified import exports the input's tensors bit for bit (names included) under the same
-    family; after two training steps on data x tensor the export loads in transformers with jaxpar's
-    logits."""
+    family; after two training steps on data x tensor (Gemma 3, Qwen2.5) the export loads in
+    transformers with jaxpar's logits."""
     from safetensors.numpy import load_file
 
     d, _ = hf_dir(family, tmp_path_factory)
@@ -191,6 +192,8 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
         assert orig[name].dtype == back[name].dtype and np.array_equal(orig[name], back[name]), name
     conf = json.loads((tmp_path / "same" / "config.json").read_text())
     assert conf["architectures"] == [CLASSES[family]]
+    if family not in ("gemma3", "qwen2"):  # the trained export: the two that use the most switches
+        return
 
     state = trainer.init_state(params)
     for i in range(2):
@@ -249,3 +252,42 @@ def test_switches_that_no_family_has_refuse_to_export():
         cfg = load_config(None, ["model.style=llama", *over])
         with pytest.raises(ConfigError, match=f"{key}=.* cannot be exported"):
             hf.hf_config(cfg)
+
+
+def test_generate_cli_and_documents_frame_text_as_the_tokenizer_does(tmp_path_factory, tmp_path, capsys):
+    """A tokenizer.json whose post-processor puts a BOS before each text (as Llama 3's and Gemma's do):
+    ``python -m jaxpar.generate hf:DIR`` feeds the prompt as transformers' tokenizer frames it and prints
+    transformers' greedy completion; training documents are framed ``BOS text EOS``."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from jaxpar.data.tokenizer import BPETokenizer, encode_documents
+    from jaxpar.generate import main
+
+    d, model = hf_dir("gemma3", tmp_path_factory)
+    out = tmp_path / "hf"
+    shutil.copytree(d, out)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the king and queen of a small land rode to sea while bells rang"] * 50,
+                            trainers.BpeTrainer(vocab_size=V, special_tokens=["<eos>", "<bos>"], show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos, eos = tok.token_to_id("<bos>"), tok.token_to_id("<eos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    tok.save(str(out / "tokenizer.json"))
+    prompt, n = "the queen rode", 12
+    ids = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))(prompt)["input_ids"]
+    assert ids[0] == bos and len(ids) > 1
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                         eos_token_id=None)[0, len(ids):].tolist()
+    capsys.readouterr()
+    assert main([f"hf:{out}", "--prompt", prompt, "--tokens", str(n), "--temperature", "0", "model.seq_len=32",
+                 "parallel.data=-1"]) == 0  # the 8 devices of the test process
+    assert capsys.readouterr().out.split("\n---")[0] == prompt + tok.decode(ref, skip_special_tokens=False)
+
+    mine = BPETokenizer.load(out / "tokenizer.json")
+    assert mine.bos_ids == (bos,) and mine.eos_id == eos
+    docs = ["the king rode", "bells rang"]
+    want = [i for doc in docs for i in [bos, *tok.encode(doc, add_special_tokens=False).ids, eos]]
+    assert encode_documents(mine, docs).tolist() == want
