@@ -17,18 +17,21 @@ from jaxpar.layers.attention_ops import attention, choose, describe, splash_atte
 from jaxpar.layers.precision import f32_einsum
 
 
-def reference(q, k, v, q_offset=0):
-    """float64 causal attention: query i (global position q_offset + i) sees keys 0..q_offset + i."""
+def reference(q, k, v, q_offset=0, window=None, scale=None):
+    """float64 causal attention: query i (global position q_offset + i) sees keys 0..q_offset + i (the last
+    ``window`` of them with a sliding window); scores times ``scale`` (default 1/sqrt(D))."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, h, d = q.shape
     g = h // k.shape[2]
+    scale = 1 / np.sqrt(d) if scale is None else scale
     out = np.zeros_like(q)
     for hi in range(h):
         for i in range(t):
             n = q_offset + i + 1
-            s = np.einsum("bd,bjd->bj", q[:, i, hi], k[:, :n, hi // g]) / np.sqrt(d)
+            lo = 0 if window is None else max(0, n - window)
+            s = np.einsum("bd,bjd->bj", q[:, i, hi], k[:, lo:n, hi // g]) * scale
             p = np.exp(s - s.max(-1, keepdims=True))
-            out[:, i, hi] = np.einsum("bj,bjd->bd", p / p.sum(-1, keepdims=True), v[:, :n, hi // g])
+            out[:, i, hi] = np.einsum("bj,bjd->bd", p / p.sum(-1, keepdims=True), v[:, lo:n, hi // g])
     return out
 
 
@@ -64,21 +67,6 @@ def test_kernel_matches_float64_and_xla_gradients(kernel, kv, t, offset):
         assert rel_err(a, b) < 1e-5
 
 
-def windowed_reference(q, k, v, window, scale):
-    """float64 causal attention within a sliding window: query i sees keys i - window + 1 .. i."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, t, h, d = q.shape
-    g = h // k.shape[2]
-    out = np.zeros_like(q)
-    for hi in range(h):
-        for i in range(t):
-            lo = max(0, i - window + 1)
-            s = np.einsum("bd,bjd->bj", q[:, i, hi], k[:, lo:i + 1, hi // g]) * scale
-            p = np.exp(s - s.max(-1, keepdims=True))
-            out[:, i, hi] = np.einsum("bj,bjd->bd", p / p.sum(-1, keepdims=True), v[:, lo:i + 1, hi // g])
-    return out
-
-
 @pytest.mark.parametrize("kernel, traced", [("xla", False), ("xla", True), ("splash", False)])
 def test_sliding_window_and_scale_match_float64(kernel, traced):
     """A sliding window (static, or traced as a per-layer value is) and a score scale other than
@@ -92,7 +80,7 @@ def test_sliding_window_and_scale_match_float64(kernel, traced):
         fn = functools.partial(fn, w=jnp.int32(window))
     else:
         fn = lambda q, k, v: attention(q, k, v, "xla", scale=scale, window=window)  # noqa: E731
-    np.testing.assert_allclose(np.asarray(fn(q, k, v)), windowed_reference(q, k, v, window, scale), rtol=2e-5,
+    np.testing.assert_allclose(np.asarray(fn(q, k, v)), reference(q, k, v, window=window, scale=scale), rtol=2e-5,
                                atol=2e-5)
 
 

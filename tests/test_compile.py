@@ -19,6 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
 
 
+def compiled(tmp_path, config: str) -> dict:
+    """``python -m jaxpar.compile`` of a shipped config (its own simulated devices) for 80-GiB devices: it must
+    say the step fits; returns its JSON report."""
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    p = subprocess.run([sys.executable, "-m", "jaxpar.compile", "--config", f"configs/{config}", "--hbm-gib", "80",
+                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "fits in 80 GiB per device" in p.stdout, p.stdout
+    return json.loads(out.read_text())
+
+
 def gpt3_params() -> int:
     """GPT-2 style layer: fused QKV 3d^2, out d^2 (+ bias d), MLP 8d^2 (+ biases 4d + d), two LayerNorms
     4d, query and value biases 2d (no key bias: softmax ignores it); the vocabulary padded to 50304
@@ -37,13 +49,7 @@ def mixtral_params() -> int:
 @pytest.mark.parametrize("config,devices,params", [("gpt3_175b.yaml", 1024, gpt3_params()),
                                                    ("mixtral_8x7b.yaml", 256, mixtral_params())])
 def test_large_configs_compile_ahead_of_time(tmp_path, config, devices, params):
-    out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    p = subprocess.run([sys.executable, "-m", "jaxpar.compile", "--config", f"configs/{config}", "--hbm-gib", "80",
-                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "fits in 80 GiB per device" in p.stdout, p.stdout
-    r = json.loads(out.read_text())
+    r = compiled(tmp_path, config)
     assert r["devices"] == devices and r["parameters"] == params
     state = r["per_device"]["params"] + r["per_device"]["opt"]
     # ZeRO-3 over data x tensor: params and two moments (float32) split over every device, but for a few
@@ -117,13 +123,7 @@ def qwen25_7b_params() -> int:
 def test_family_configs_compile_for_one_node(tmp_path, config, params):
     """Each family's shipped config, in the layout planned for 8 x H100 80GB, compiles for its 8 devices
     (tens of seconds each) and fits 80 GiB per device, with the published parameter count."""
-    out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    p = subprocess.run([sys.executable, "-m", "jaxpar.compile", "--config", f"configs/{config}", "--hbm-gib", "80",
-                        "--json", str(out)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "fits in 80 GiB per device" in p.stdout, p.stdout
-    r = json.loads(out.read_text())
+    r = compiled(tmp_path, config)
     assert r["devices"] == 8 and r["parameters"] == params
     assert r["per_device"]["total"] < 80 * GIB
     # ZeRO-1: float32 parameters split over tensor only, the two float32 moments over all 8 devices (but for a
