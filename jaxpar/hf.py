@@ -31,9 +31,9 @@ experts or a routing bias, ...) is an error naming the key. GPT-2's key bias is 
 jaxpar has none there because a key bias adds the same ``q . b_k`` to every score of a query, which
 softmax ignores (with RoPE or QK-norm after it, Qwen2.5's, it matters and is kept).
 
-The weight layouts: GPT-2's own table, and one Llama-style table for every other family whose entries
-follow from the switches (Q/K/V biases, QK-norm weights, Gemma's sandwich norms; Mixtral's experts),
-both directions side by side (each import rule next to its export rule).
+Long by design: the weight layouts, GPT-2's own table and one Llama-style table for every other family
+whose entries follow from the switches (Q/K/V biases, QK-norm weights, Gemma's sandwich norms;
+Mixtral's experts), both directions side by side (each import rule next to its export rule).
 """
 
 from __future__ import annotations
