@@ -2,10 +2,14 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# jaxpar's data cache (tokenizers, token stores of text sources): one per machine in the temp folder, shared
+# by the tests and their subprocesses, never the user's ~/.cache/jaxpar
+os.environ.setdefault("JAXPAR_CACHE", os.path.join(tempfile.gettempdir(), "jaxpar-test-cache"))
 
 import jax  # noqa: E402
 

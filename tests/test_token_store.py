@@ -176,7 +176,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_a_bad_store_is_one_clear_error(tmp_path, byte_store, capsys):
-    with pytest.raises(ConfigError, match=r"data.path='.*nope' is not a folder"):
+    with pytest.raises(ConfigError, match=r"data.path='.*nope' does not exist; make a token store there with"):
         st.TokenStore(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"is not a token store \(no store.json\); make one with"):

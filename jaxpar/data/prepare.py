@@ -6,7 +6,8 @@
 
 **Input.** Files, globs and folders (searched recursively), in sorted order within each argument:
 ``.txt``/``.md`` files are one document each, ``.jsonl`` lines, ``.json`` records and Parquet rows
-one document per record (``--field``, default ``text``).
+one document per record (``--field``, default ``text``). Folders and globs skip hidden files and
+folders, token stores and ``--out`` itself (:func:`~jaxpar.data.corpus.expand_paths`).
 
 **Split.** As ``data.val_fraction`` does for in-memory text, the last ``--val-fraction`` of the input
 (by bytes, over all files in order) is the validation split: a document goes to validation when it
@@ -24,7 +25,13 @@ memory is a batch, not the corpus.
 **Resumable.** After each closed shard ``progress.json`` records the input position and the shards
 so far. Running the same command again after an interruption continues from there (the
 tokenizer, input files and options must be unchanged; any of them changed is an error); on a
-finished store it only prints the summary. ``store.json`` is written last.
+finished store it only prints the summary. ``store.json`` is written last, so an interrupted run
+never leaves a folder that training reads as a store.
+
+**Never overwrites.** ``--out`` is a new or empty folder, or this command's own store (unfinished:
+it resumes; finished: the summary). A file, another store or any other non-empty folder is refused
+and left as it was. An input error (a bad JSON line, a missing field) removes the unfinished store
+it interrupted: once the input is corrected it is another input, which could not resume it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,6 +50,7 @@ import numpy as np
 from jaxpar.config import ConfigError
 from jaxpar.data import store as st
 from jaxpar.data.corpus import iter_documents
+from jaxpar.data.store import write_stream_store as write_stream_store  # re-exported: tests/helpers.py
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, document, encode_many
 
 BYTE_SEP = "\n\n"  # between documents when the tokenizer has no end-of-text id (as encode_documents)
@@ -56,11 +65,6 @@ def _text_cut(data: bytes, target: int) -> int:
     while 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:  # not inside a UTF-8 character
         cut -= 1
     return cut
-
-
-def _tokenizer_info(tok) -> dict:
-    return {"kind": "byte" if isinstance(tok, ByteTokenizer) else "bpe", "vocab_size": int(tok.vocab_size),
-            "eos_id": tok.eos_id}
 
 
 class _Split:
@@ -90,9 +94,15 @@ class Preparer:
             raise ConfigError(f"--val-fraction={val_fraction} must be in (0, 0.5]")
         if shard_tokens < 1 or batch_mb <= 0 or bpe_sample_mb <= 0:
             raise ConfigError("--shard-tokens, --batch-mb and --bpe-sample-mb must be positive")
+        out_r = Path(out).resolve()
+        for spec in inputs:
+            r = Path(spec).resolve()
+            if r == out_r or out_r in r.parents:
+                raise ConfigError(f"--out {str(out)!r} is (or holds) the input {spec!r}: prepare writes there; "
+                                  f"choose a new folder for --out")
         seen, self.files = set(), []
         for spec in inputs:
-            for f in expand_paths(spec, what="input"):
+            for f in expand_paths(spec, what="input", exclude=(out_r,)):  # never the store being written
                 if f.resolve() not in seen:
                     seen.add(f.resolve())
                     self.files.append(f)
@@ -104,8 +114,14 @@ class Preparer:
         self.progress = sys.stderr.isatty() if progress is None else progress
         if tokenizer == "bpe" and self.vocab_size < 258:
             raise ConfigError("--tokenizer bpe needs --vocab-size (>= 258): the number of ids to train")
-        if tokenizer not in ("bpe", "byte") and not Path(tokenizer).exists():
-            raise ConfigError(f"--tokenizer {tokenizer!r}: choose bpe, byte or the path of a tokenizer.json")
+        if tokenizer not in ("bpe", "byte"):
+            if not Path(tokenizer).exists():
+                raise ConfigError(f"--tokenizer {tokenizer!r} does not exist: choose bpe, byte or the path of a "
+                                  f"tokenizer.json (a file, or a folder holding one)")
+            try:
+                self.tokenizer_file = Path(BPETokenizer.load(tokenizer).path or tokenizer)
+            except ConfigError as e:
+                raise ConfigError(f"--tokenizer: {e}") from None
         self.sizes = [f.stat().st_size for f in self.files]
         self.bases = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
         self.total = int(self.bases[-1])
@@ -117,8 +133,7 @@ class Preparer:
         h = hashlib.sha256(json.dumps({
             "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in self.files],
             "tokenizer": self.tokenizer_spec if self.tokenizer_spec in ("bpe", "byte") else
-            hashlib.sha256(Path(self.tokenizer_spec).read_bytes()).hexdigest()
-            if Path(self.tokenizer_spec).is_file() else str(Path(self.tokenizer_spec).resolve()),
+            hashlib.sha256(self.tokenizer_file.read_bytes()).hexdigest(),
             "vocab_size": self.vocab_size, "val_fraction": self.val_fraction, "field": self.field,
             "shard_tokens": self.shard_tokens, "bpe_sample": self.bpe_sample, "version": st.VERSION,
         }, sort_keys=True).encode())
@@ -128,7 +143,7 @@ class Preparer:
 
     def documents(self, cursor=(0, 0)):
         """``(split, text, next_cursor)`` from ``cursor`` on, the split decided by input position."""
-        for i, off, text, nxt in iter_documents(self.files, self.field, tuple(cursor)):
+        for i, off, text, nxt in iter_documents(self.files, self.field, tuple(cursor), key="--field"):
             g = self.bases[i] + off
             end = self.bases[i + 1]
             is_text = nxt == (i + 1, 0) and self.files[i].suffix.lower() not in (".jsonl", ".json", ".parquet")
@@ -151,9 +166,10 @@ class Preparer:
             return ByteTokenizer()
         if out_tok.is_file():  # resuming: the tokenizer this store began with
             return BPETokenizer.load(out_tok)
-        if spec != "bpe":
-            tok = BPETokenizer.load(spec)
-            shutil.copyfile(tok.path, out_tok)
+        if spec != "bpe":  # copied beside, then renamed: a tokenizer.json in --out is always whole
+            tmp = self.out / f".{st.TOKENIZER_FILE}.{os.getpid()}.tmp"
+            shutil.copyfile(self.tokenizer_file, tmp)
+            os.replace(tmp, out_tok)
             return BPETokenizer.load(out_tok)
         t0 = time.perf_counter()
 
@@ -174,7 +190,7 @@ class Preparer:
 
     # -- the run -----------------------------------------------------------------------------
 
-    def _save_progress(self, cursor, splits, tok_info) -> None:
+    def _save_progress(self, cursor, splits: dict, tok_info: dict | None) -> None:
         p = {"key": self.key, "cursor": list(cursor), "splits": {k: v.summary() for k, v in splits.items()},
              "tokenizer": tok_info}
         tmp = self.out / f".{st.PROGRESS}.tmp"
@@ -182,34 +198,64 @@ class Preparer:
         os.replace(tmp, self.out / st.PROGRESS)
 
     def run(self) -> dict:
+        """Prepare, resume or (finished) summarise ``--out``. A folder that is not this store's (a file,
+        another store, anything else non-empty) is refused untouched; ``store.json`` is written last, so
+        an interrupted run never leaves what training reads as a store; an input error discards the
+        unfinished store (a corrected input is another input: it could not resume)."""
         out = self.out
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {str(out)!r} is a file; give a new or empty folder for the token store")
         if (out / st.INDEX).is_file():
             index = st.read_index(out, "--out")
             if index.get("key") != self.key:
                 raise ConfigError(f"--out {str(out)!r} already holds a token store made from other inputs or "
                                   f"options; choose another --out or remove it")
+            st.TokenStore(out, "--out")  # its shards are all there, with their sizes
             self.log(f"prepare: {out} is already prepared")
             return self._summary(index, 0.0, 0)
         progress = None
         if (out / st.PROGRESS).is_file():
-            progress = json.loads((out / st.PROGRESS).read_text())
-            if progress.get("key") != self.key:
+            try:
+                progress = json.loads((out / st.PROGRESS).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                progress = {}
+            if not isinstance(progress, dict) or progress.get("key") != self.key:
                 raise ConfigError(f"--out {str(out)!r} holds an unfinished store from other inputs or options; "
                                   f"choose another --out or remove it")
         elif out.exists() and any(out.iterdir()):
             raise ConfigError(f"--out {str(out)!r} exists and is not a token store; choose an empty or new folder")
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._run(progress)
+        except ConfigError:
+            self._discard(created)
+            raise
+
+    def _discard(self, created: bool) -> None:
+        """Remove what preparing wrote into ``--out`` (and the folder, if this run made it)."""
+        ours = re.compile(rf"({'|'.join(st.SPLITS)})-\d{{5}}\.bin(\.tmp)?|{re.escape(st.PROGRESS)}|"
+                          rf"{re.escape(st.TOKENIZER_FILE)}|\.(progress|tokenizer|store)\.json\..*tmp")
+        for f in self.out.iterdir():
+            if ours.fullmatch(f.name) and f.is_file():
+                f.unlink()
+        if created and not any(self.out.iterdir()):
+            self.out.rmdir()
+
+    def _run(self, progress: dict | None) -> dict:
+        out = self.out
+        if progress is None:  # from now on a rerun resumes this store
+            self._save_progress((0, 0), {}, None)
         for f in out.glob("*.tmp"):  # a shard cut short by the interruption
             f.unlink()
         tok = self._tokenizer()
-        tok_info = _tokenizer_info(tok)
+        tok_info = st.tokenizer_info(tok)
         dtype = st.dtype_for(tok.vocab_size)
         saved = (progress or {}).get("splits", {})
         splits = {s: _Split(out, s, dtype, self.shard_tokens, saved.get(s)) for s in st.SPLITS}
         cursor = tuple((progress or {}).get("cursor", (0, 0)))
-        if progress is None:  # from now on a rerun resumes (with the tokenizer just made)
-            self._save_progress(cursor, splits, tok_info)
-        if progress:
+        self._save_progress(cursor, splits, tok_info)  # with the tokenizer made
+        if progress and progress.get("tokenizer"):
             done = sum(s.tokens for s in splits.values())
             self.log(f"prepare: resuming {out} after {done:,} tokens (input file {cursor[0] + 1} of {len(self.files)})")
         start_bytes = self._position(cursor)
@@ -317,38 +363,13 @@ def prepare(inputs: list[str], out: str | os.PathLike, **options) -> dict:
     return Preparer(inputs, out, **options).run()
 
 
-def write_stream_store(out: Path, train_ids: np.ndarray, val_ids: np.ndarray, tok, meta: dict) -> Path:
-    """A store of two in-memory token streams (one shard per split), written to a temporary folder and
-    renamed into place, so concurrent writers (processes on one host) are safe: the first one wins."""
-    if (out / st.INDEX).is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    dtype = st.dtype_for(tok.vocab_size)
-    splits = {}
-    for name, ids in (("train", train_ids), ("val", val_ids)):
-        w = st.ShardWriter(tmp, name, dtype, len(ids) + 1)
-        w.write(ids)
-        w.close_shard()
-        splits[name] = {"shards": w.shards, "documents": 1, "tokens": int(len(ids))}
-    if not isinstance(tok, ByteTokenizer):
-        shutil.copyfile(tok.path, tmp / st.TOKENIZER_FILE)
-    st.write_index(tmp, dtype, _tokenizer_info(tok), splits, meta)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process renamed its copy first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def main(argv=None) -> int:
     from jaxpar.cli import ArgumentParser
 
     ap = ArgumentParser(prog="python -m jaxpar.data.prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="*", help="files, globs or folders (.txt .md .jsonl .json .parquet)")
-    ap.add_argument("--out", required=True, help="the store folder to write (new, or an unfinished one to resume)")
+    ap.add_argument("--out", required=True, help="the store folder to write: new or empty (or this command's "
+                                                 "unfinished store, to resume); a store is never overwritten")
     ap.add_argument("--tokenizer", default="bpe", help="bpe (train one), byte, or the path of a tokenizer.json")
     ap.add_argument("--vocab-size", type=int, default=0, help="ids of the BPE to train (with --tokenizer bpe)")
     ap.add_argument("--val-fraction", type=float, default=0.01, help="share of the input (its end) held out")
@@ -362,8 +383,8 @@ def main(argv=None) -> int:
         if args.verify:
             bad = st.TokenStore(args.out, "--out").verify()
             if bad:
-                print(f"error: {args.out}: shard(s) {', '.join(bad)} do not match their checksum; prepare the "
-                      f"store again", file=sys.stderr)
+                print(f"error: {args.out}: shard(s) {', '.join(bad)} do not match their checksum; {st.PREPARED_REMEDY}",
+                      file=sys.stderr)
                 return 1
             print(f"{args.out}: every shard matches its checksum")
             return 0
@@ -378,6 +399,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"error: interrupted; run the same command again to continue preparing {args.out}", file=sys.stderr)
         return 130
+    except OSError as e:  # a full disk, a read-only --out, a file that vanished: the store resumes once fixed
+        name = f" {e.filename}" if e.filename else ""
+        print(f"error: cannot {'read' if args.verify else 'prepare'} {args.out}:{name}: {e.strerror or e}; fix that "
+              f"and run the same command again", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -43,40 +43,71 @@ class SyntheticBatches:
         self.step = int(state["step"])
 
 
-def text_store(cfg: Config, log=print):
+def cache_root(cache_dir: str = "") -> Path:
+    """Where trained tokenizers and the token stores of ``data.source=shakespeare/files`` are cached:
+    ``data.cache_dir``, else ``$JAXPAR_CACHE``, else ``$XDG_CACHE_HOME/jaxpar``, else
+    ``~/.cache/jaxpar``. Never the data's own folder: jaxpar writes nothing beside the data."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("JAXPAR_CACHE"):
+        return Path(os.environ["JAXPAR_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "jaxpar"
+
+
+def text_store(cfg: Config, log=print) -> Path:
     """The built-in corpus or ``data.path`` files as a token store, prepared on first use and cached.
 
     The text is split (``data.val_fraction``), the tokenizer made (``data.tokenizer``), and each split
-    encoded as one document, exactly as before the store existed; the store is keyed by the text and
-    the tokenizer, so a rerun (or another process on this host) opens it without tokenising again.
+    encoded as one document, exactly as before the store existed; the store lives under
+    :func:`cache_root` (``stores/<source>-<key>``), keyed by the text of both splits (so by the files'
+    contents, ``data.jsonl_field`` and ``data.val_fraction``), the tokenizer (its file, hence its
+    vocabulary) and the store format, so a rerun (or another process on this host) opens it without
+    tokenising again. Nothing is written into the data's folder, and files of the cache (or of a
+    token store) found there are never read as data.
     """
     from jaxpar.data import corpus, tokenizer
-    from jaxpar.data.prepare import write_stream_store
 
     d, m = cfg.data, cfg.model
+    cache = cache_root(d.cache_dir)
+    where = f"data.cache_dir={d.cache_dir!r}" if d.cache_dir else f"the data cache {str(cache)!r}"
     if d.source == "shakespeare":
         docs = corpus.shakespeare_plays()
-        cache = Path(d.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "jaxpar"))
+        origin = "data.source=shakespeare"
     else:
-        docs = corpus.load_texts(d.path, d.jsonl_field)
+        docs = corpus.load_texts(d.path, d.jsonl_field, exclude=(cache,))
+        origin = f"data.source=files, data.path={d.path!r}"
         base = Path(d.path.split("*")[0] or ".")
-        cache = Path(d.cache_dir) if d.cache_dir else (base if base.is_dir() else base.parent) / ".jaxpar-cache"
+        old = (base if base.is_dir() else base.parent) / ".jaxpar-cache"
+        if old.is_dir():
+            log(f"note: {old} is the cache an earlier jaxpar wrote beside the data; it is no longer read or "
+                f"written (the cache is {cache}), and can be deleted")
     train_text, val_text = corpus.split_train_val(docs, d.val_fraction)
-    tok = tokenizer.get_tokenizer(d.tokenizer, m.vocab_size, [train_text], cache)
-    identity = (hashlib.sha256(tok.to_str().encode()).hexdigest() if isinstance(tok, tokenizer.BPETokenizer)
-                else "byte")
-    key = hashlib.sha256(f"{tokenizer.text_hash([train_text, val_text])}:{identity}".encode()).hexdigest()[:16]
-    path = cache / "stores" / f"{d.source}-{key}"
-    if not (path / store.INDEX).is_file():
-        t0 = time.perf_counter()
-        train_ids = tokenizer.encode_documents(tok, train_text)
-        val_ids = tokenizer.encode_documents(tok, val_text)
-        write_stream_store(path, train_ids, val_ids, tok, {"key": key, "source": d.source, "text_bytes":
-                                                           len(train_text.encode()) + len(val_text.encode())})
-        log(f"data: {d.source}, {len(train_text):,} + {len(val_text):,} characters -> {len(train_ids):,} train / "
-            f"{len(val_ids):,} validation tokens ({len(train_text) / max(len(train_ids), 1):.2f} chars/token), "
-            f"tokenizer {d.tokenizer} with {tok.vocab_size} ids; tokenised in {time.perf_counter() - t0:.1f}s into "
-            f"the token store {path}")
+    try:
+        tok = tokenizer.get_tokenizer(d.tokenizer, m.vocab_size, [train_text], cache)
+        identity = (hashlib.sha256(tok.to_str().encode()).hexdigest() if isinstance(tok, tokenizer.BPETokenizer)
+                    else "byte")
+        key = hashlib.sha256(f"{tokenizer.text_hash([train_text, val_text])}:{identity}:v{store.VERSION}"
+                             .encode()).hexdigest()[:16]
+        path = cache / "stores" / f"{d.source}-{key}"
+        if path.exists() and not (path / store.INDEX).is_file():  # a cached store appears whole (renamed) or not
+            raise ConfigError(f"{str(path)!r}, jaxpar's cache of {origin}, is damaged (no {store.INDEX}); delete it: "
+                              f"the next run rebuilds it")
+        if not path.exists():
+            t0 = time.perf_counter()
+            train_ids = tokenizer.encode_documents(tok, train_text)
+            val_ids = tokenizer.encode_documents(tok, val_text)
+            text_bytes = len(train_text.encode()) + len(val_text.encode())
+            store.write_stream_store(path, train_ids, val_ids, tok, {"key": key, "source": d.source,
+                                                                     "text_bytes": text_bytes})
+            log(f"data: {d.source}, {len(train_text):,} + {len(val_text):,} characters -> {len(train_ids):,} train / "
+                f"{len(val_ids):,} validation tokens ({len(train_text) / max(len(train_ids), 1):.2f} chars/token), "
+                f"tokenizer {d.tokenizer} with {tok.vocab_size} ids; tokenised in {time.perf_counter() - t0:.1f}s "
+                f"into the token store {path}")
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot write the tokenised {origin} there ({e.strerror}"
+                          f"{': ' + str(e.filename) if e.filename else ''}); set data.cache_dir (or $JAXPAR_CACHE) to "
+                          f"a writable folder") from None
     return path
 
 
@@ -94,7 +125,7 @@ def parse_mix(mix: str) -> list[tuple[str, float]]:
                               f"e.g. data.mix='stores/web:0.7,stores/code:0.3'; got {part.strip()!r}")
         out.append((path, weight))
     if len({p for p, _ in out}) < len(out):
-        raise ConfigError(f"data.mix={mix!r} names a store twice")
+        raise ConfigError(f"data.mix={mix!r} names a store twice; list each store once, with its whole weight")
     return out
 
 
@@ -183,15 +214,17 @@ class MixedBatches:
         self.step = int(state["step"])
 
 
-def _mixed_eval(vals: list, quotas: list[int], n_batches: int, row_slice: slice) -> list[dict]:
+def _mixed_eval(vals: list, quotas: list[int], n_batches: int, row_slice: slice, paths: list[str]) -> list[dict]:
     """Validation batches of a mixture: batch ``k`` takes rows ``[k*q, (k+1)*q)`` of each store's
     validation split (in order), placed as in training."""
     placement = local_placement(quotas, row_slice)
     n_local = len(np.arange(sum(quotas))[row_slice])
     n = min(len(v) // q for v, q in zip(vals, quotas))
     if n < 1:
-        raise ConfigError("a store's validation split holds fewer rows than its share of one eval batch; "
-                          "prepare it with a larger --val-fraction")
+        v, q, p = next((v, q, p) for v, q, p in zip(vals, quotas, paths) if len(v) < q)
+        raise ConfigError(f"the validation split of token store {p!r} (data.mix) holds {len(v)} rows of "
+                          f"model.seq_len + 1 tokens, fewer than its {q} rows of each batch; lower train.batch_size "
+                          f"or model.seq_len, or prepare the store again into a new --out with a larger --val-fraction")
     out = []
     for k in range(min(n, n_batches)):
         rows = np.empty((n_local, vals[0].shape[1]), np.int32)
@@ -210,7 +243,9 @@ class TokenBatches:
         d, m, b = cfg.data, cfg.model, cfg.train.batch_size
         entries = parse_mix(d.mix) if d.mix else [(path or d.path, 1.0)]
         what = "data.mix" if d.mix else "data.path"
-        stores = [TokenStore(p, what) for p, _ in entries]
+        cache_of = (None if d.source == "tokens" else "data.source=shakespeare" if d.source == "shakespeare" else
+                    f"data.source=files, data.path={d.path!r}")
+        stores = [TokenStore(p, what, cache_of) for p, _ in entries]
         for s in stores:
             s.check_vocab(m.vocab_size, None if d.source == "tokens" else
                           f"data.source={d.source}, data.tokenizer={d.tokenizer}")
@@ -228,16 +263,16 @@ class TokenBatches:
                 raise ConfigError(f"data.mix={d.mix!r}: with train.batch_size={b} a store would get no row of a "
                                   f"batch (rows per batch {quotas}); raise its weight or the batch size")
             self.batches = MixedBatches(train, quotas, cfg.train.seed, row_slice)
-            self.val = _mixed_eval(val, quotas, cfg.train.eval_batches, row_slice)
+            self.val = _mixed_eval(val, quotas, cfg.train.eval_batches, row_slice, [p for p, _ in entries])
             log(f"data: mixture of {len(stores)} token stores, rows per global batch of {b}: " + ", ".join(
                 f"{p} {q}" for (p, _), q in zip(entries, quotas)))
         else:
             s = stores[0]
             self.batches = pipeline.PackedBatches(train[0], b, cfg.train.seed, row_slice)
             if len(val[0]) < b:
-                raise ConfigError(f"the validation split of {s.root} has {len(val[0])} rows of model.seq_len="
-                                  f"{m.seq_len}, fewer than one batch (train.batch_size={b}); prepare it with a "
-                                  f"larger validation fraction or use more text")
+                raise ConfigError(f"the validation split of {s.label} has {len(val[0])} rows of model.seq_len="
+                                  f"{m.seq_len}, fewer than one batch (train.batch_size={b}); lower train.batch_size "
+                                  f"or model.seq_len, or {s.more('val')}")
             self.val = pipeline.eval_batches(val[0], b, cfg.train.eval_batches, row_slice)
             if d.source == "tokens":
                 log(f"data: token store {s.root}: {s.documents('train'):,} + {s.documents('val'):,} documents, "

@@ -1,6 +1,7 @@
 """The token store: a corpus tokenised once, read by memory map, each process touching only its rows.
 
-**Layout** (a folder, written by :mod:`jaxpar.data.prepare`)::
+**Layout** (a folder, written by :mod:`jaxpar.data.prepare`, or :func:`write_stream_store` for
+training's cache)::
 
     store.json          the index (written last: a folder without it is not a store)
     tokenizer.json      the BPE that produced the ids (absent for the byte tokenizer)
@@ -27,7 +28,10 @@ cuts an in-memory stream (row ``i`` = tokens ``[i*L, i*L + L + 1)``), so
 only the rows of its share of each global batch.
 
 Every problem with a store (missing, incomplete, a shard of the wrong size, an id beyond the
-vocabulary) raises :class:`~jaxpar.config.ConfigError` naming the file.
+vocabulary) raises :class:`~jaxpar.config.ConfigError` naming the file and what repairs it: a store
+that ``prepare`` made is prepared again into a new ``--out`` (``prepare`` never overwrites a store),
+and a store that training cached for ``data.source=shakespeare/files`` is deleted (the next run
+rebuilds it).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.data.tokenizer import ByteTokenizer
 
 FORMAT = "jaxpar-token-store"
 VERSION = 1
@@ -126,61 +132,145 @@ def write_index(root: Path, dtype: np.dtype, tokenizer: dict, splits: dict, meta
     return index
 
 
-def read_index(path: str | os.PathLike, what: str = "data.path") -> dict:
+def tokenizer_info(tok) -> dict:
+    """The index's ``tokenizer`` entry for a tokenizer of :mod:`jaxpar.data.tokenizer`."""
+    return {"kind": "byte" if isinstance(tok, ByteTokenizer) else "bpe", "vocab_size": int(tok.vocab_size),
+            "eos_id": tok.eos_id}
+
+
+def write_stream_store(out: Path, train_ids: np.ndarray, val_ids: np.ndarray, tok, meta: dict) -> Path:
+    """A store of two in-memory token streams (one shard per split), written to a temporary folder and
+    renamed into place, so concurrent writers (processes on one host) are safe: the first one wins."""
+    if (out / INDEX).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    dtype = dtype_for(tok.vocab_size)
+    splits = {}
+    for name, ids in (("train", train_ids), ("val", val_ids)):
+        w = ShardWriter(tmp, name, dtype, len(ids) + 1)
+        w.write(ids)
+        w.close_shard()
+        splits[name] = {"shards": w.shards, "documents": 1, "tokens": int(len(ids))}
+    if not isinstance(tok, ByteTokenizer):
+        shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
+    write_index(tmp, dtype, tokenizer_info(tok), splits, meta)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+PREPARED_REMEDY = "prepare it again into a new --out folder (prepare never overwrites a store)"
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    """Whether the folder ``path`` holds a jaxpar token store, finished (``store.json``) or being
+    prepared (``progress.json``): folders that reading text files skips (see
+    :func:`jaxpar.data.corpus.expand_paths`)."""
     root = Path(path)
+    for name, keys in ((INDEX, ("format",)), (PROGRESS, ("key", "cursor", "splits"))):
+        f = root / name
+        if f.is_file():
+            try:
+                d = json.loads(f.read_bytes())
+            except (OSError, ValueError):
+                continue
+            if isinstance(d, dict) and all(k in d for k in keys) and (name != INDEX or d["format"] == FORMAT):
+                return True
+    return False
+
+
+def _not_a_store(root: Path, what: str) -> str:
+    """Why ``root`` (no store.json, not being prepared) is not a token store, and what to do."""
+    p = str(root)
+    make = "`python -m jaxpar.data.prepare INPUT... --out"
+    text = "; data.source=files trains on text files directly" if what in ("data.path", "data.mix") else ""
+    if not root.exists():
+        return f"{what}={p!r} does not exist; make a token store there with {make} {p}`{text}"
     if not root.is_dir():
-        raise ConfigError(f"{what}={str(path)!r} is not a folder; a token store is the folder that "
-                          f"`python -m jaxpar.data.prepare` writes")
+        return f"{what}={p!r} is a file, not a token store (the folder that {make} FOLDER` writes){text}"
+    if not any(root.iterdir()):
+        return f"{what}={p!r} is not a token store (no {INDEX}); make one with {make} {p}` (it is empty)"
+    return (f"{what}={p!r} is not a token store (no {INDEX}); make one with {make} NEW_FOLDER` and set "
+            f"{what} to NEW_FOLDER{text}")
+
+
+def read_index(path: str | os.PathLike, what: str = "data.path", remedy: str = PREPARED_REMEDY) -> dict:
+    """The index of the store ``path`` (checked: a jaxpar store of this version); ``what`` names the
+    setting that gave the path and ``remedy`` what repairs a damaged store, in messages."""
+    root = Path(path)
     f = root / INDEX
-    if not f.is_file():
-        if (root / PROGRESS).is_file():
+    if not root.is_dir() or not f.is_file():
+        if root.is_dir() and (root / PROGRESS).is_file():
             raise ConfigError(f"{what}={str(path)!r} is an unfinished token store (its preparation was "
                               f"interrupted); run the same `python -m jaxpar.data.prepare` command again to finish it")
-        raise ConfigError(f"{what}={str(path)!r} is not a token store (no {INDEX}); make one with "
-                          f"`python -m jaxpar.data.prepare INPUT... --out {path}`")
+        raise ConfigError(_not_a_store(root, what))
     try:
         index = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"token store index {str(f)!r} is corrupt ({e}); prepare the store again") from None
+        raise ConfigError(f"token store index {str(f)!r} is corrupt ({e}); {remedy}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ConfigError(f"{str(f)!r} is not a jaxpar token store index")
+        raise ConfigError(f"{str(f)!r} is not a jaxpar token store index (its \"format\" is not {FORMAT!r}); "
+                          f"{what} names a folder that `python -m jaxpar.data.prepare` wrote")
     if index.get("version") != VERSION:
         raise ConfigError(f"token store {str(path)!r} has format version {index.get('version')}; this jaxpar "
-                          f"reads version {VERSION}: prepare it again")
+                          f"reads version {VERSION}: {remedy}")
     return index
 
 
 class TokenStore:
-    """An opened store: the index checked against the shard files (sizes), nothing read yet."""
+    """An opened store: the index checked against the shard files (sizes), nothing read yet.
 
-    def __init__(self, path: str | os.PathLike, what: str = "data.path"):
-        self.root = Path(path)
-        self.index = read_index(path, what)
-        self.dtype = np.dtype(self.index["dtype"])
-        tok = self.index["tokenizer"]
-        self.n_ids, self.eos_id, self.tokenizer_kind = int(tok["vocab_size"]), tok.get("eos_id"), tok["kind"]
-        for split in SPLITS:
-            for s in self.index["splits"][split]["shards"]:
-                f = self.root / s["file"]
-                want = int(s["tokens"]) * self.dtype.itemsize
-                try:
-                    size = f.stat().st_size
-                except OSError:
-                    raise ConfigError(f"token store {str(self.root)!r}: shard {s['file']} is missing; "
-                                      f"prepare the store again") from None
-                if size != want:
-                    raise ConfigError(f"token store {str(self.root)!r}: shard {s['file']} is corrupt ({size:,} bytes, "
-                                      f"the index says {want:,}); prepare the store again")
+    ``what`` is the setting that names it (``data.path``, ``data.mix``, ``--out``); ``cache_of`` says
+    what a store cached by training holds (e.g. ``data.source=files, data.path='corpus'``), for the
+    messages' advice.
+    """
+
+    def __init__(self, path: str | os.PathLike, what: str = "data.path", cache_of: str | None = None):
+        self.root, self.cache_of = Path(path), cache_of
+        remedy = self.remedy = (f"delete {str(self.root)!r}, jaxpar's cache of {cache_of}: the next run rebuilds it"
+                                if cache_of else PREPARED_REMEDY)
+        self.index = read_index(path, what, remedy)
+        where = f"token store {str(self.root)!r}"
+        self.label = f"{cache_of} (cached as {where})" if cache_of else where
+        try:
+            self.dtype = np.dtype(self.index["dtype"])
+            tok = self.index["tokenizer"]
+            self.n_ids, self.eos_id, self.tokenizer_kind = int(tok["vocab_size"]), tok.get("eos_id"), tok["kind"]
+            shards = [(s["file"], int(s["tokens"]), int(s["max_id"])) for split in SPLITS
+                      for s in self.index["splits"][split]["shards"]]
+            self._counts = {sp: {k: int(self.index["splits"][sp][k]) for k in ("tokens", "documents")} for sp in SPLITS}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: its {INDEX} is corrupt (no valid {e}); {remedy}") from None
+        if self.tokenizer_kind != "byte" and not (self.root / TOKENIZER_FILE).is_file():
+            raise ConfigError(f"{where}: its {TOKENIZER_FILE} is missing; {remedy}")
+        for name, tokens, _ in shards:
+            f = self.root / name
+            want = tokens * self.dtype.itemsize
+            try:
+                size = f.stat().st_size
+            except OSError:
+                raise ConfigError(f"{where}: shard {name} is missing; {remedy}") from None
+            if size != want or not f.is_file():
+                raise ConfigError(f"{where}: shard {name} is corrupt ({size:,} bytes, the index says {want:,}); "
+                                  f"{remedy}")
+            if not os.access(f, os.R_OK):
+                raise ConfigError(f"{where}: shard {name} cannot be read (permission denied); give this user read "
+                                  f"access to it")
 
     @property
     def max_id(self) -> int:
         return max((int(s["max_id"]) for sp in SPLITS for s in self.index["splits"][sp]["shards"]), default=-1)
 
     def tokens(self, split: str) -> int:
-        return int(self.index["splits"][split]["tokens"])
+        return self._counts[split]["tokens"]
 
     def documents(self, split: str) -> int:
-        return int(self.index["splits"][split]["documents"])
+        return self._counts[split]["documents"]
 
     def tokenizer(self):
         """The tokenizer that produced the ids (for decoding samples)."""
@@ -202,6 +292,14 @@ class TokenStore:
             raise ConfigError(f"model.vocab_size={vocab_size} is more than twice what the tokenizer yields "
                               f"({self.n_ids} ids, {origin}): the extra rows of the embedding and head are never "
                               f"used; set model.vocab_size={self.n_ids}")
+
+    def more(self, split: str) -> str:
+        """What gives ``split`` more tokens (in messages)."""
+        if self.cache_of:
+            return "use more text" + (" or a larger data.val_fraction" if split == "val" else "")
+        if split == "val":
+            return "prepare the store again into a new --out with a larger --val-fraction (or more text)"
+        return "prepare a larger corpus into a new --out"
 
     def rows(self, split: str, seq_len: int, vocab_size: int) -> "StoreRows":
         return StoreRows(self, split, seq_len, vocab_size)
@@ -230,8 +328,8 @@ class StoreRows:
         self.starts = np.concatenate([[0], np.cumsum(sizes)])
         total = int(self.starts[-1])
         if total < seq_len + 1:
-            raise ConfigError(f"the {split} split of token store {str(store.root)!r} has {total} tokens, fewer than "
-                              f"one row of model.seq_len + 1 = {seq_len + 1}; use more text or a shorter model.seq_len")
+            raise ConfigError(f"the {split} split of {store.label} has {total} tokens, fewer than one row of "
+                              f"model.seq_len + 1 = {seq_len + 1}; lower model.seq_len, or {store.more(split)}")
         self.n = (total - 1) // self.seq_len
         self.shape = (self.n, self.seq_len + 1)
         self._maps: dict[int, np.memmap] = {}
@@ -269,5 +367,6 @@ class StoreRows:
             bad = int(ids[np.nonzero(out.max(axis=1) >= self.vocab_size)[0][0]])
             k = int(np.searchsorted(self.starts, bad * self.seq_len, side="right")) - 1
             raise ConfigError(f"token store {str(self.store.root)!r}: shard {self.files[k]} is corrupt (token id "
-                              f"{int(out.max())} >= model.vocab_size={self.vocab_size}); prepare the store again")
+                              f"{int(out.max())} >= model.vocab_size={self.vocab_size}, above the index's largest id); "
+                              f"{self.store.remedy}")
         return out[0] if scalar else out

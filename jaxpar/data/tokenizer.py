@@ -93,7 +93,7 @@ class BPETokenizer:
 
         if vocab_size < 258:
             raise ConfigError(f"model.vocab_size={vocab_size} is too small for a byte-level BPE "
-                              f"(it needs 256 byte tokens + {EOS_TOKEN} + merges); use >= 258 or 'byte'")
+                              f"(it needs 256 byte tokens + {EOS_TOKEN} + merges); use >= 258 or data.tokenizer=byte")
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -120,7 +120,8 @@ class BPETokenizer:
         try:
             tok = HFTokenizer.from_file(str(p))
         except Exception as e:  # the Rust side raises a bare Exception on a malformed file
-            raise ConfigError(f"tokenizer file {str(p)!r} is not a valid tokenizer.json: {e}") from None
+            detail = " ".join(str(e).split())  # the library's message, on one line
+            raise ConfigError(f"tokenizer file {str(p)!r} is not a valid tokenizer.json ({detail})") from None
         return cls(tok, str(p))
 
     def encode(self, text: str) -> np.ndarray:
@@ -216,10 +217,15 @@ def get_tokenizer(kind: str, vocab_size: int, texts: Sequence[str], cache_dir: s
         if path.is_file():
             return BPETokenizer.load(path)
         return BPETokenizer.train(texts, vocab_size, path)
-    if not (kind.endswith(".json") or os.path.isdir(kind)):
-        raise ConfigError(f"tokenizer {kind!r}: choose 'byte', 'bpe' or a path to a tokenizer.json file")
-    tok = BPETokenizer.load(kind)
+    if not os.path.exists(kind):
+        what = "does not exist" if kind.endswith(".json") or os.sep in kind else "is not a tokenizer"
+        raise ConfigError(f"data.tokenizer={kind!r} {what}: choose 'byte', 'bpe' or the path of a tokenizer.json "
+                          f"(a file, or a folder holding one)")
+    try:
+        tok = BPETokenizer.load(kind)
+    except ConfigError as e:
+        raise ConfigError(f"data.tokenizer={kind!r}: {e}") from None
     if tok.vocab_size > vocab_size:
-        raise ConfigError(f"tokenizer {kind!r} has {tok.vocab_size} ids but model.vocab_size={vocab_size}; "
+        raise ConfigError(f"data.tokenizer={kind!r} has {tok.vocab_size} ids but model.vocab_size={vocab_size}; "
                           f"set model.vocab_size >= {tok.vocab_size}")
     return tok
