@@ -22,10 +22,29 @@ a second stops at once).
 
 from __future__ import annotations
 
-import argparse
-import os
+import signal
 import sys
-from pathlib import Path
+
+# Ctrl-C while the libraries load is noted and honoured once they have: a KeyboardInterrupt inside a C
+# extension's import crashes the interpreter or becomes an ImportError. After that it raises, and is
+# still noted: one raised inside JAX's garbage-collection callback is swallowed there, and the next
+# check honours it (jaxpar.run does the same during its start-up).
+_CTRL_C: list[int] = []
+_DEFER = [True]
+
+
+def _on_ctrl_c(signum, _frame) -> None:
+    _CTRL_C.append(signum)
+    if not _DEFER:
+        raise KeyboardInterrupt
+
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _on_ctrl_c)
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
@@ -41,17 +60,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)  # --config may come after overrides too
 
     from jaxpar.config import ConfigError, config_table, load_config
-    from jaxpar.distributed import ClusterError
-    from jaxpar.mesh import PlatformError
 
     if args.keys:
         print(config_table())
         return 0
     try:
-        cfg = load_config(args.config, args.overrides)
-        from jaxpar.mesh import setup_devices
+        from jaxpar.checkpoint import CheckpointError
+        from jaxpar.distributed import ClusterError
+        from jaxpar.lock import RunLockError
+        from jaxpar.mesh import PlatformError, setup_devices
+        from jaxpar.run import Interrupted, TrainingError, run
 
+        import orbax.checkpoint  # noqa: F401 - its C extensions load here too, while Ctrl-C waits
+    except KeyboardInterrupt:  # outside train.py (python -c "import train; train.main()"): no deferral
+        _CTRL_C.append(signal.SIGINT)
+    _DEFER.clear()
+    try:
+        if _CTRL_C:
+            raise KeyboardInterrupt
+        cfg = load_config(args.config, args.overrides)
         setup_devices(cfg.parallel, cfg.distributed)
+        if _CTRL_C:  # one raised where a library swallowed it
+            raise KeyboardInterrupt
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -61,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C) before training started; nothing was changed", file=sys.stderr)
         return 130
-    from jaxpar.checkpoint import CheckpointError
-    from jaxpar.lock import RunLockError
-    from jaxpar.run import Interrupted, TrainingError, run
 
     try:
         summary = run(cfg)
@@ -87,4 +114,8 @@ def _exit_with_line(message: str, status: int):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before main() reached its own handlers (while importing)
+        print("error: interrupted (Ctrl-C) before training started; nothing was changed", file=sys.stderr)
+        sys.exit(130)

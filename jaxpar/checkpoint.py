@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from pathlib import Path
 
 import jax
@@ -83,6 +82,7 @@ class Checkpointer:
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         _drop_closed_loop_reports()
         self.ocp = ocp
+        self._pending: int | None = None  # the step of the newest save started (maybe still being written)
         _single_process_writes()
         if "://" in str(directory):  # a bucket (gs://...): orbax's own path type
             from etils import epath
@@ -102,8 +102,12 @@ class Checkpointer:
 
     # -- listing ---------------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first."""
-        return sorted(self.manager.all_steps())
+        """Steps of the complete checkpoints, oldest first (a save still being written in the background
+        is not one: orbax lists it from the moment it starts)."""
+        steps = sorted(self.manager.all_steps())
+        if self._pending in steps and self.manager.is_saving_in_progress():
+            steps.remove(self._pending)
+        return steps
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -119,6 +123,7 @@ class Checkpointer:
         a = self.ocp.args
         meta = {"format": FORMAT, "step": int(step), "config": config,
                 "param_shapes": {k: list(v) for k, v in _shapes(state["params"]).items()}}
+        self._pending = step
         with self._failing_save(step):
             self.manager.save(step, args=a.Composite(state=a.StandardSave(state), data=a.JsonSave(data_state),
                                                      meta=a.JsonSave(meta)), force=True)
@@ -287,7 +292,6 @@ class CheckpointHook:
             return
         if (info.last or stop) and self.faults is not None:
             self.faults.flush()
-        t = time.perf_counter()
-        self.ckpt.save(info.step + 1, *self.save_args(info.state))
-        self.loop.exclude(time.perf_counter() - t)
+        with self.loop.off_the_clock(info):
+            self.ckpt.save(info.step + 1, *self.save_args(info.state))
         self.beat()

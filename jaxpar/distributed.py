@@ -115,9 +115,12 @@ def initialize(p: Plan) -> None:
 
     if p.coordinator is not None and p.process_id not in (None, 0):  # process 0 hosts the coordinator
         wait_for_coordinator(p.coordinator, p.init_timeout)
+    joined = _give_up_after(p)
     try:
+        # JAX's own deadline comes later than ours: when it passes, its client aborts the process
+        # with a C++ fatal error and a stack trace instead of raising
         jax.distributed.initialize(coordinator_address=p.coordinator, num_processes=p.num_processes,
-                                   process_id=p.process_id, initialization_timeout=p.init_timeout,
+                                   process_id=p.process_id, initialization_timeout=p.init_timeout + _GRACE,
                                    heartbeat_timeout_seconds=p.heartbeat_timeout)
     except (RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -126,3 +129,32 @@ def initialize(p: Plan) -> None:
                           f"{p.process_id if p.process_id is not None else '?'} of "
                           f"{p.num_processes or '?'}) within distributed.init_timeout={p.init_timeout}s: "
                           f"{first}") from None
+    finally:
+        joined.set()
+
+
+_GRACE = 30  # seconds JAX's own start-up deadline comes after distributed.init_timeout
+
+
+def _give_up_after(p: Plan):
+    """A thread that ends the process with one line when not every process has joined within
+    ``distributed.init_timeout`` (a peer that never starts); returns the event that stops it."""
+    import sys
+    import threading
+
+    joined = threading.Event()
+
+    def watch() -> None:
+        if joined.wait(p.init_timeout):
+            return
+        n = p.num_processes
+        print(f"error: process {p.process_id if p.process_id is not None else '?'} of {n or '?'}: not every "
+              f"process joined the run at {p.coordinator or 'the auto-detected coordinator'} within "
+              f"distributed.init_timeout={p.init_timeout}s; start all {n or 'the'} processes"
+              + (f" (distributed.process_id 0..{n - 1})" if n else "")
+              + " with the same distributed.coordinator and distributed.num_processes, or raise "
+              "distributed.init_timeout", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="jaxpar-join-deadline", daemon=True).start()
+    return joined

@@ -56,9 +56,15 @@ def is_out_of_memory(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def out_of_memory_message(e: Exception, device, report: dict | None) -> str:
+def step_bytes(report: dict | None) -> int:
+    """Bytes one device needs for the compiled step (a compile report's ``memory``): arguments,
+    temporaries and the outputs that do not reuse a donated argument."""
     mem = (report or {}).get("memory", {})
-    need = mem.get("argument_size", 0) + mem.get("temp_size", 0) + mem.get("output_size", 0) - mem.get("alias_size", 0)
+    return mem.get("argument_size", 0) + mem.get("temp_size", 0) + mem.get("output_size", 0) - mem.get("alias_size", 0)
+
+
+def out_of_memory_message(e: Exception, device, report: dict | None) -> str:
+    need = step_bytes(report)
     stats = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
     have, holder = stats.get("bytes_limit"), getattr(device, "device_kind", "the device")
     if not have and getattr(device, "platform", "") == "cpu":  # simulated devices share the host's memory
@@ -69,6 +75,72 @@ def out_of_memory_message(e: Exception, device, report: dict | None) -> str:
             + (f" and {holder} has {fmt_bytes(have)}" if have else "")
             + "; lower the memory with model.remat=save_dots or full, shard more (parallel.zero=3, parallel.tensor, "
               "parallel.pipe), or lower train.batch_size / raise train.grad_accum")
+
+
+def host_memory() -> tuple[int, int]:
+    """``(available, total)`` bytes of this host's memory (``MemAvailable`` of /proc/meminfo where it
+    exists: free plus reclaimable caches)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024, total
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), total
+
+
+def check_host_memory(report: dict, mesh) -> None:
+    """Simulated CPU devices share the host's memory: a compiled step that needs more than the host
+    has free would allocate until the operating system kills the process. One line instead."""
+    devices = list(mesh.devices.flat)
+    if devices[0].platform != "cpu":
+        return
+    per_device = step_bytes(report)
+    need = per_device * len(devices)
+    available, total = host_memory()
+    have = f"this host has {fmt_bytes(available)} free of {fmt_bytes(total)}"
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY and limit < available:
+        available, have = limit, f"this process may use {fmt_bytes(limit)} (its address-space limit, ulimit -v)"
+    if need > available:
+        raise TrainingError(
+            f"the compiled train step needs {fmt_bytes(need)} of host memory ({fmt_bytes(per_device)} on each of the "
+            f"{len(devices)} simulated CPU devices) and {have}; lower train.batch_size, the model size or "
+            "parallel.* device counts, or use model.remat=full, parallel.zero=3 (each simulated device holds its "
+            "own replicas)")
+
+
+class StartUpSignals:
+    """Ctrl-C during start-up: the handler notes it before raising ``KeyboardInterrupt``, so that one
+    swallowed on the way (by a library's ``except BaseException`` or a C++ callback) still stops the
+    start at the next :meth:`check`. Installed only from the main thread; :meth:`close` restores the
+    previous handler."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.seen, self.previous = False, None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):  # e.g. started with nohup ... &
+            self.previous = signal.signal(signal.SIGINT, self._interrupt)
+
+    def _interrupt(self, *_):
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
 
 
 class Preemption:

@@ -59,6 +59,10 @@ class RunLock:
                 raise RunLockError(f"{self.path.parent} is in use by {who}: two runs in one train.out_dir would "
                                    f"overwrite each other's checkpoints and metrics; choose another train.out_dir, or "
                                    f"remove {self.path} if that run is gone") from None
+            except OSError as e:  # a read-only directory or file system, no space, ...
+                raise RunLockError(f"cannot write in {self.path.parent} ({e.strerror or type(e).__name__}): a run "
+                                   "needs a writable train.out_dir with free space; fix it or choose another "
+                                   "train.out_dir") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True

@@ -9,8 +9,9 @@ Each iteration runs one train step on the source's next batch, then the hooks in
 added (a hook added with ``every=N`` runs after steps N, 2N, ... counted from 1, and after the last
 step), then yields a :class:`StepInfo`. A hook may stop the run after the current step
 (``info.loop.request_stop(reason)``; the checkpoint hook then saves that step), leave a value for
-the hooks after it (``info.values``, e.g. the validation loss), and exclude the time it spent from
-the step time (:meth:`TrainLoop.exclude`).
+the hooks after it (``info.values``, e.g. the validation loss), and do other work off the step's
+clock (``with info.loop.off_the_clock(info): ...``: it first waits for the step to finish, so the
+step's own device time stays step time, then excludes the hook's time).
 ``train.py``'s logging, evaluation, checkpointing, progress bar, preemption and watchdog are such
 hooks (:mod:`jaxpar.metrics`, :mod:`jaxpar.faults`, :mod:`jaxpar.checkpoint`); ``jaxpar.run.run(cfg,
 hooks=[(fn, every)])`` adds yours after the metrics and before the checkpoint.
@@ -18,8 +19,12 @@ hooks=[(fn, every)])`` adds yours after the metrics and before the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+
+import jax
 
 
 @dataclass
@@ -59,8 +64,22 @@ class TrainLoop:
         self.stop_reason = self.stop_reason or reason
 
     def exclude(self, seconds: float) -> None:
-        """Do not count ``seconds`` (spent by a hook on other work) as training time."""
+        """Do not count ``seconds`` (spent by a hook on other work) as training time. The step runs
+        asynchronously: time measured before its results are ready holds part of the step; use
+        :meth:`off_the_clock`, which waits for them first."""
         self.excluded += seconds
+
+    @contextlib.contextmanager
+    def off_the_clock(self, info: StepInfo):
+        """``with loop.off_the_clock(info): ...``: work of a hook (evaluation, saving) that is not step
+        time. The step was only dispatched when the hooks start: it is waited for first, so that its
+        device time is still counted as its own."""
+        jax.block_until_ready(info.metrics)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.exclude(time.perf_counter() - t)
 
     def __iter__(self) -> Iterator[StepInfo]:
         for step in range(self.start, self.steps):

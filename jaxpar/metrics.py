@@ -164,9 +164,8 @@ class EvalHook:
 
     def __call__(self, info) -> None:
         if self.batches and (info.last or (self.every and (info.step + 1) % self.every == 0)):
-            t = time.perf_counter()
-            info.values["val_loss"] = self.evaluate(info.state["params"])
-            self.loop.exclude(time.perf_counter() - t)
+            with self.loop.off_the_clock(info):
+                info.values["val_loss"] = self.evaluate(info.state["params"])
             self.beat()
 
 

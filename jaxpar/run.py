@@ -25,11 +25,16 @@ the step was skipped; its ``loss`` is then null) and ``skipped_steps`` (skipped 
 complete checkpoint continues from the newest one: parameters, optimizer state, step and data
 position, placed on this run's mesh (which may differ from the saving run's). The steps after it
 are then bit-identical to an uninterrupted run on the same mesh; ``metrics.jsonl`` keeps the
-records of the steps before it and rewrites the rest.
+records of the steps before it and rewrites the rest. A run whose checkpoint is already at
+``train.steps`` trains, compiles and writes nothing (the directory keeps describing the run that
+made it). ``step_time`` and the throughput derived from it are the training steps' own: evaluation
+and saving run off the clock, after the step they follow has finished (:meth:`TrainLoop.off_the_clock`).
 
 **Faults.** A non-finite step is skipped (see :class:`Trainer`) and counted; ``train.max_bad_steps``
 in a row raise :class:`TrainingError`. SIGTERM (preemption) saves a checkpoint after the current
-step and returns. In a multi-process run a failed collective (a peer died) raises
+step and returns; a Ctrl-C during start-up ends it with nothing changed (:class:`StartUpSignals`).
+Simulated CPU devices: the compiled step's host memory is checked before anything is allocated
+(:func:`check_host_memory`). In a multi-process run a failed collective (a peer died) raises
 :class:`PeerError`; no progress for ``train.step_timeout`` seconds (a stuck peer) ends the process
 from the :class:`Watchdog` thread with one error line.
 """
@@ -50,8 +55,8 @@ from jaxpar.checkpoint import CheckpointError, Checkpointer, CheckpointHook, con
 from jaxpar.config import Config, ConfigError
 from jaxpar.data.sources import make_source
 from jaxpar.faults import (FaultCounter, FaultHook, Interrupted, OutOfMemoryAsError, PeerError, Preemption,
-                           PreemptionHook, TrainingError, Watchdog, hang_exit, is_out_of_memory, newest_checkpoint,
-                           out_of_memory_message)
+                           PreemptionHook, StartUpSignals, TrainingError, Watchdog, check_host_memory, hang_exit,
+                           is_out_of_memory, newest_checkpoint, out_of_memory_message)
 from jaxpar.lock import RunLock
 from jaxpar.loop import StepInfo, TrainLoop
 from jaxpar.metrics import EvalHook, MetricsHook, MetricsLog, ProgressHook, fmt_bytes, plot_losses, previous_records
@@ -113,7 +118,11 @@ class _StartUp:
         self.lock = RunLock(out, log)
         if main:
             self.make(out)
-            self.lock.acquire()
+            try:
+                self.lock.acquire()
+            except BaseException:
+                self.undo()
+                raise
 
     def make(self, directory: Path, key: str = "train.out_dir") -> None:
         """Create ``directory`` (and parents), remembering what was new; a ConfigError naming ``key``
@@ -204,20 +213,36 @@ def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo]
     main = jax.process_index() == 0
     if not main:
         log = _quiet
-    start_up = _StartUp(out, main, log)
-    ckpt = None
+    signals = StartUpSignals()  # a Ctrl-C during start-up is honoured even where a library swallows it
+    ckpt = preemption = None
+    try:
+        start_up = _StartUp(out, main, log)
+    except BaseException:
+        signals.close()
+        raise
     try:
         trainer = Trainer(cfg, mesh=mesh)
         oom = OutOfMemoryAsError(trainer)
         ckpt, resume_step = open_checkpoints(cfg, log, start_up)
+        if resume_step is not None and resume_step >= cfg.train.steps:
+            summary = _nothing_left(cfg, out, ckpt, resume_step, log)
+            ckpt = None  # closed
+            signals.close()
+            start_up.undo()
+            return summary
         log(startup_report(trainer))
         rows = trainer.local_rows()
         if jax.process_count() > 1:  # every process says what it holds
             print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local devices, "
                   f"loads rows {rows.start}:{rows.stop} of each global batch of {cfg.train.batch_size}", flush=True)
         source = make_source(cfg, rows, log)
+        signals.check()
         t0 = time.perf_counter()
-        with oom:
+        with oom:  # compiled first: the memory it needs is checked before any state is allocated
+            report = oom.report = trainer.compile(log)
+            report["compile_seconds"] = round(time.perf_counter() - t0, 3)
+            check_host_memory(report, trainer.mesh)
+            signals.check()
             if resume_step is None and cfg.model.init_from:
                 from jaxpar import hf, hf_config
 
@@ -228,18 +253,21 @@ def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo]
             else:
                 assert ckpt is not None  # a step to resume from comes from the checkpoints
                 state = restore_state(cfg, trainer, ckpt, resume_step, source, log)
-            report = oom.report = trainer.compile(log)
-        report["compile_seconds"] = round(time.perf_counter() - t0, 3)
+        # From here a Ctrl-C stops the run after a step, with a checkpoint (Preemption); one that came
+        # before (even if a library swallowed its KeyboardInterrupt) ends the start-up unchanged.
+        signals.close()
+        preemption = Preemption()
+        signals.check()
+        if main:
+            _write_outputs(cfg, trainer, out, report)
     except BaseException:
+        signals.close()
+        if preemption is not None:
+            preemption.close()
         if ckpt is not None:
             ckpt.close()
         start_up.undo()
         raise
-    if main:
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        (out / "compile_report.json").write_text(json.dumps(report, indent=2))
-        if cfg.debug.dump_hlo:
-            (out / "train_step.hlo.txt").write_text(trainer.hlo_text())
     mem = report.get("memory", {})
     bubble = pipeline_report(cfg, trainer, out if main else None, log)
     log(f"compiled train step in {report['compile_seconds']:.1f}s: per device "
@@ -249,12 +277,52 @@ def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo]
         + (f"; XLA options: {len(report['xla_options'])} (train.xla_perf_options)" if report["xla_options"] else ""))
     try:
         with oom:
-            return _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log, hooks or [])
+            return _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log,
+                          hooks or [], preemption)
+    except KeyboardInterrupt:  # after the loop (the sample): the training and its checkpoints are complete
+        raise Interrupted("interrupted (Ctrl-C) after training, while writing the sample"
+                          + (f"; the checkpoints in {ckpt.dir} are complete" if ckpt is not None else "")) from None
     finally:
         start_up.lock.release()
 
 
-def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log, hooks) -> dict:
+def _write_outputs(cfg: Config, trainer: Trainer, out: Path, report: dict) -> None:
+    """config.yaml, compile_report.json (and the HLO): written once every check of the start has passed,
+    each beside and then renamed, so that a fault leaves the previous file whole; a fault is one line."""
+    files = {"config.yaml": lambda: yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+             "compile_report.json": lambda: json.dumps(report, indent=2)}
+    if cfg.debug.dump_hlo:
+        files["train_step.hlo.txt"] = trainer.hlo_text
+    for name, text in files.items():
+        path = out / name
+        tmp = out / f".{name}.tmp"
+        try:
+            tmp.write_text(text())
+            tmp.replace(path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+            raise TrainingError(f"cannot write {path} ({e.strerror or type(e).__name__}); the run directory "
+                                "train.out_dir must be writable, with free space: fix it or choose another "
+                                "train.out_dir") from None
+
+
+def _nothing_left(cfg: Config, out: Path, ckpt: Checkpointer | None, step: int, log) -> dict:
+    """A rerun of a finished run: nothing is trained, compiled or written (the run directory keeps
+    describing the run that made its checkpoints); the summary comes from its records."""
+    assert ckpt is not None
+    log(f"{ckpt.path(step)} is at step {step} and train.steps={cfg.train.steps}: nothing left to train, nothing "
+        "was changed; raise train.steps to train on, or choose another train.out_dir for a new run")
+    records = previous_records(out, step) if (out / "metrics.jsonl").is_file() else []
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
+    ckpt.close()
+    return {"final_loss": losses[-1] if losses else None, "val_loss": vals[-1] if vals else None, "out_dir": str(out),
+            "steps": cfg.train.steps, "start_step": step, "skipped_steps": records[-1].get("skipped_steps", 0)
+            if records else 0, "preempted_at": None, "interrupted": None, "checkpoint": str(ckpt.path(step))}
+
+
+def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, main, log, hooks,
+           preemption) -> dict:
     """The loop of :func:`run`, after a successful start: a :class:`TrainLoop` with jaxpar's hooks, in
     this order: faults + watchdog, evaluation, metrics, preemption, yours, checkpoint, progress."""
     start, steps = resume_step or 0, cfg.train.steps
@@ -262,7 +330,6 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
     metrics_log = MetricsLog(out, main, previous_records(out, start) if main else [])
     progress = ProgressHook(steps, start, main and sys.stdout.isatty(), log)
     faults = FaultCounter(cfg.train.max_bad_steps, ckpt)
-    preemption = Preemption()
     watchdog = Watchdog(cfg.train.step_timeout, hang_exit(cfg, ckpt, lambda: loop.current))
     evaluation = EvalHook(loop, trainer, source.val, cfg.train.eval_every, beat=watchdog.beat)
     metrics = MetricsHook(loop, cfg, report, bubble, metrics_log, progress)
@@ -277,10 +344,6 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
                                      save_args=lambda st: (trainer.state_to_layer_order(st), source.state(),
                                                            cfg.to_dict())))
     loop.add_hook(progress)
-    if start >= steps:
-        log(f"the checkpoint is at step {start}, train.steps={steps}: nothing left to train")
-        if source.val:
-            evaluation.evaluate(state["params"])
     preempted = None
     try:
         with progress:
@@ -290,6 +353,8 @@ def _train(cfg, trainer, ckpt, resume_step, source, state, report, bubble, out, 
             preempted = loop.current + 1
             how = {"SIGINT": "interrupted (Ctrl-C)", "SIGTERM": "preempted (SIGTERM)"}.get(
                 loop.stop_reason, f"stopped by a hook ({loop.stop_reason})")
+            if ckpt is not None:
+                ckpt.wait()  # named as saved only once it is complete on disk (a failed save raises)
             log(f"{how}: stopping after step {loop.current}"
                 + (f"; checkpoint {ckpt.path(preempted)} saved, run the same command to continue"
                    if ckpt is not None else "; checkpoints are disabled, so nothing was saved"))

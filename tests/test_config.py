@@ -222,7 +222,9 @@ def test_distributed_plan_from_keys_environment_and_scheduler(monkeypatch):
 
 def test_readme_commands_fit_the_eight_simulated_devices():
     """Every `python train.py` line of the README's Running section loads and fits 8 devices (what a
-    CPU host simulates) or, with -1, a mesh that 8 devices fill."""
+    CPU host simulates) or, with -1, a mesh that 8 devices fill; and each writes its own run
+    directory, so that pasting the block after the quick start runs every line (a line sharing a
+    directory would resume another line's run, or find nothing left to train)."""
     import shlex
     from pathlib import Path
 
@@ -233,6 +235,7 @@ def test_readme_commands_fit_the_eight_simulated_devices():
     block = (root / "README.md").read_text().split("## Running\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     lines = [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("python train.py")]
     assert len(lines) >= 8
+    out_dirs = []
     for words in lines:
         if "--keys" in words:
             continue
@@ -241,6 +244,8 @@ def test_readme_commands_fit_the_eight_simulated_devices():
         cfg = load_config(root / path, over)
         sizes = axis_sizes(cfg.parallel, 8)
         check_model_fits(cfg.model, cfg.parallel, sizes)
+        out_dirs.append(cfg.train.out_dir)
+    assert len(set(out_dirs)) == len(out_dirs), out_dirs
 
 
 def test_renamed_keys_still_work_for_one_release(tmp_path, capsys):

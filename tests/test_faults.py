@@ -476,17 +476,43 @@ AS_LIMIT = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS,
             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-def test_out_of_memory_at_the_first_step_is_one_line(tmp_path):
-    """A model too big for the memory (8 GiB of address space here; its state alone is 18 GiB): one
-    line with the bytes the compiled step needs and the cures, exit 1."""
-    p = subprocess.run([sys.executable, "-c", AS_LIMIT, str(ROOT / "train.py"), "data.source=synthetic",
-                        "model.d_model=8192", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32",
+@pytest.mark.parametrize("limit, layers, have", [(8, 2, "this process may use 8.0 GiB (its address-space limit"),
+                                                 (0, 16, "this host has ")])
+def test_a_step_bigger_than_the_host_is_refused_before_it_allocates(tmp_path, limit, layers, have):
+    """Simulated CPU devices share the host's memory: a model whose compiled step needs more than the
+    process may use (an 8 GiB address-space limit; or 16 layers of d_model 8192, 13 B parameters,
+    about 230 GiB: more than the hosts that run the tests have free) is one line naming the need, the
+    host and the cures, exit 1, before anything is allocated (it used to allocate until the OS killed
+    it)."""
+    prefix = [sys.executable, "-c", AS_LIMIT.replace("8 << 30", f"{limit} << 30")] if limit else [sys.executable]
+    p = subprocess.run([*prefix, str(ROOT / "train.py"), "data.source=synthetic",
+                        "model.d_model=8192", "model.n_heads=4", f"model.n_layers={layers}", "model.seq_len=32",
                         "train.batch_size=2", "parallel.data=1", "parallel.tensor=1", "sample.tokens=0",
                         f"train.out_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=_env(), cwd=ROOT,
                        timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
-    assert p.stderr.startswith("error: out of device memory (") and p.stderr.count("\n") == 1, p.stderr[-3000:]
-    need = float(p.stderr.split("the train step needs ")[1].split(" GiB per device and this host")[0])
+    assert p.stderr.startswith("error: the compiled train step needs ") and p.stderr.count("\n") == 1, p.stderr[-3000:]
+    value, unit = p.stderr.split("the compiled train step needs ")[1].split(" of host memory")[0].split()
+    need = float(value) * {"GiB": 1, "TiB": 1024}[unit]
     n = int(p.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
     assert need >= 3 * 4 * n / 2**30, (need, n)  # at least the float32 parameters and both Adam moments
-    assert "parallel.zero=3" in p.stderr
+    assert f"on each of the 1 simulated CPU devices) and {have}" in p.stderr
+    assert "parallel.zero=3" in p.stderr and "model.remat=full" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_running_out_of_device_memory_in_a_step_is_one_line():
+    """Where the device runs out anyway (its own estimate was short): the runtime's error becomes one
+    TrainingError line with the step's need, the device's size and the cures."""
+    from types import SimpleNamespace
+
+    from jaxpar.run import OutOfMemoryAsError, TrainingError
+
+    device = SimpleNamespace(device_kind="NVIDIA H200", platform="gpu", memory_stats=lambda: {"bytes_limit": 2**30})
+    guard = OutOfMemoryAsError(SimpleNamespace(mesh=SimpleNamespace(devices=np.array([device]))))
+    guard.report = {"memory": {"argument_size": 2**30, "temp_size": 2**30}}
+    with pytest.raises(TrainingError, match=r"^out of device memory \(RESOURCE_EXHAUSTED: Out of memory while trying "
+                                            r"to allocate 2.0GiB\): the train step needs 2.0 GiB per device and "
+                                            r"NVIDIA H200 has 1.0 GiB"):
+        with guard:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.0GiB")
