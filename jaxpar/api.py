@@ -53,14 +53,17 @@ class Layout:
     def __init__(self, *, devices=None, **parallel: Any):
         cfg = load_config(None, {f"parallel.{k}": v for k, v in parallel.items()})
         self.parallel: ParallelConfig = cfg.parallel
+        given = devices is not None
         devices = list(jax.devices() if devices is None else devices)
         sizes = [getattr(self.parallel, a) for a in ("data", "pipe", "expert", "seq", "tensor")]
         if -1 not in sizes:
             n = int(np.prod(sizes))
             if n > len(devices):
-                raise ValueError(f"the layout {dict(zip(('data', 'pipe', 'expert', 'seq', 'tensor'), sizes))} needs "
-                                 f"{n} devices and {len(devices)} are visible; on a CPU host call "
-                                 f"jaxpar.simulate_devices({n}) before any JAX computation")
+                layout = dict(zip(("data", "pipe", "expert", "seq", "tensor"), sizes))
+                raise ValueError(f"the layout {layout} needs {n} devices and " + (
+                    f"devices= lists {len(devices)}" if given else
+                    f"{len(devices)} are visible; on a CPU host call jaxpar.simulate_devices({n}) before any JAX "
+                    "computation"))
             devices = devices[:n]
         self.mesh = make_mesh(self.parallel, devices)
         self.rules: RuleSet = make_rules(self.parallel, self.mesh)
@@ -122,10 +125,22 @@ class Layout:
         return opt
 
     def batch(self, *arrays):
-        """Arrays whose leading dimension is the batch, split over the batch axes (a tuple, or one array)."""
-        out = tuple(jax.device_put(a, self.rules.params.sharding(("batch",) + (None,) * (np.ndim(a) - 1)))
-                    for a in arrays)
-        return out[0] if len(out) == 1 else out
+        """Arrays whose leading dimension is the batch, split over the batch axes (a tuple, or one array); a
+        scalar, or a batch that the batch axes do not divide, is a ValueError naming the array and the split."""
+        out = []
+        for i, a in enumerate(arrays):
+            if np.ndim(a) == 0:
+                raise ValueError(f"batch: array {i} is a scalar; each array's leading dimension is the batch")
+            sharding = self.rules.params.sharding(("batch",) + (None,) * (np.ndim(a) - 1))
+            axes = sharding.spec[0] if len(sharding.spec) else None
+            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            split = int(np.prod([self.mesh.shape[n] for n in names]))
+            if np.shape(a)[0] % split:
+                raise ValueError(f"batch: array {i} has {np.shape(a)[0]} rows, which the batch axes "
+                                 f"({' x '.join(f'{n}={self.mesh.shape[n]}' for n in names)}) cannot split; give a "
+                                 f"multiple of {split}")
+            out.append(jax.device_put(a, sharding))
+        return out[0] if len(out) == 1 else tuple(out)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -159,6 +174,9 @@ class Layout:
         """A jitted ``step(model, optimizer, *batch) -> loss``: the gradient of ``loss_fn(model, *batch)``
         applied by the optimizer, under this layout's rules. A model and optimizer placed by this layout
         keep their placement across steps (else XLA may leave parameters in the optimizer's shards)."""
+        if not callable(loss_fn):
+            raise TypeError(f"train_step(loss_fn): loss_fn must be a function (model, *batch) -> loss, not "
+                            f"{type(loss_fn).__name__}")
         compiled: dict = {}
 
         def build(param_shardings, opt_shardings):

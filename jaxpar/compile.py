@@ -23,9 +23,15 @@ for the GPU/TPU compilers (reduce-scatters, gradients reduced once per step, the
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 import time
+from pathlib import Path
+
+from jaxpar.cli import COUNT, SIZE, ArgumentParser, command
+from jaxpar.config import ConfigError
 
 GIB = 2**30
 
@@ -80,27 +86,51 @@ def format_report(r: dict, hbm_gib: float = 0.0) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jaxpar.cli import ArgumentParser
+REPORT_KEYS = ("mesh", "devices", "parameters", "per_device", "collectives", "collectives_model")
 
+
+def check_output(path: str) -> Path:
+    """The ``--json`` file, checked before anything is compiled: its folder exists, and it is new or a
+    previous report of this command (which is replaced; any other file the user has is never
+    overwritten: a ConfigError names it)."""
+    out = Path(path)
+    if not out.parent.is_dir():
+        raise ConfigError(f"--json {path}: the folder {str(out.parent)!r} does not exist")
+    if out.is_dir():
+        raise ConfigError(f"--json {path} is a folder; name a file (e.g. {out / 'report.json'})")
+    if out.exists():
+        try:
+            old = json.loads(out.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = None
+        if not (isinstance(old, dict) and all(k in old for k in REPORT_KEYS)):
+            raise ConfigError(f"--json {path} exists and is not a report of python -m jaxpar.compile; it was left as "
+                              "is: name a new file (a previous report is replaced)")
+    return out
+
+
+@command()
+def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m jaxpar.compile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="a YAML config (its parallel.* keys are the mesh)")
-    ap.add_argument("--devices", type=int, default=0, help="simulated devices (default: the mesh's product)")
-    ap.add_argument("--hbm-gib", type=float, default=0.0, help="memory per device to check the total against")
-    ap.add_argument("--json", default="", help="also write the report to this file")
+    ap.add_argument("--devices", type=COUNT, default=None, help="simulated devices, >= 1 (default: the mesh's "
+                                                                "product)")
+    ap.add_argument("--hbm-gib", type=SIZE, default=None, help="memory per device (GiB, > 0) to check the total "
+                                                               "against")
+    ap.add_argument("--json", default="", help="also write the report to this file (new, or a previous report of "
+                                               "this command, which is replaced; any other file is refused)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.pipe=4")
     a = ap.parse_intermixed_args(argv)
 
-    from jaxpar.config import ConfigError, load_config
+    from jaxpar.config import load_config
 
     try:
+        out = check_output(a.json) if a.json else None
         cfg = load_config(a.config, a.overrides)
         sizes = [getattr(cfg.parallel, k) for k in ("data", "pipe", "expert", "seq", "tensor")]
         n = a.devices or (math.prod(sizes) if -1 not in sizes else 0)
         if n <= 0:
             raise ConfigError("a parallel size is -1: give --devices N (the mesh size to compile for)")
-        import os
-
         # XLA:CPU's AllReducePromotion (bfloat16 all-reduces computed in float32) aborts on the
         # copy-reducer all-reduces of the MoE layer; an AOT compile runs nothing, so it is not needed
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -110,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
         from jaxpar.mesh import request_cpu_devices
 
-        request_cpu_devices(n)
+        try:
+            request_cpu_devices(n)
+        except RuntimeError as e:  # JAX already started (main called from a process that used JAX)
+            raise ConfigError(str(e)) from None
         from jaxpar.trainer import Trainer
 
         trainer = Trainer(cfg)
@@ -120,12 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_report(r, a.hbm_gib))
-    if a.json:
-        import json
-        from pathlib import Path
-
-        Path(a.json).write_text(json.dumps(r, indent=2))
+    print(format_report(r, a.hbm_gib or 0.0))
+    if out is not None:
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        try:  # beside, then renamed over: an interrupted write never leaves half a report
+            tmp.write_text(json.dumps(r, indent=2))
+            os.replace(tmp, out)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if not isinstance(e, OSError):
+                raise
+            print(f"error: cannot write --json {out}: {e.strerror or e}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -8,26 +8,38 @@ jaxpar keys (``model.*``, and ``moe.*`` for Mixtral), which :func:`jaxpar.config
 over the YAML file's: a command-line override that contradicts one is an error naming both values, and
 a ``config.json`` option jaxpar does not implement (YaRN RoPE scaling, biases in Llama attention,
 Gemma's soft-capping, router jitter, ...) is an error naming the field, never a silently different
-model. Keys that are training choices stay the user's: ``model.seq_len`` (for
-GPT-2's learned positions it defaults to ``n_positions`` and may be smaller: the first rows of the
-table are used), dtypes, remat, the attention kernel. Mixtral imports as ``moe.dropless=true`` (what
+model. The import keeps what the checkpoint is: GPT-2's whole position table (``model.max_positions`` =
+``n_positions``), while ``model.seq_len`` (default ``n_positions``, at most that) only limits the training
+context. Keys that are training choices stay the user's: ``model.seq_len``, dtypes, remat, the attention
+kernel. Mixtral imports as ``moe.dropless=true`` (what
 Hugging Face computes) unless set, and ``moe.aux_loss_weight`` from ``router_aux_loss_coef`` (see
 :mod:`jaxpar.layers.moe` for the conversion). A ``tokenizer.json`` in the directory becomes
 ``data.tokenizer`` unless an override names one.
 
-:func:`load_params` places the weights straight onto the run's mesh with
+:func:`load_params` first checks the files against each other (:class:`jaxpar.hf_files.Safetensors`: an
+index naming a missing or truncated shard, tensors missing or unaccounted for, a single file beside an
+index: one line naming the directory and the file), then places the weights straight onto the run's mesh with
 ``jax.make_array_from_callback``: each device's callback reads, lazily from the memory-mapped
-safetensors files, only the layers its shard holds (a pipeline stage reads only its stage's layers),
-builds them in jaxpar's layout (fused QKV ``[embed, kv_heads, group + 2, head_dim]``, fused
-gate/up, padded vocabulary) and keeps its slice; no host ever holds the whole model. A tensor in the
+safetensors files (bfloat16 ones included), only the layers its shard holds (a pipeline stage reads only
+its stage's layers), builds them in jaxpar's layout (fused QKV ``[embed, kv_heads, group + 2, head_dim]``,
+fused gate/up, padded vocabulary) and keeps its slice; no host ever holds the whole model. A tensor in the
 files that the mapping does not use is an error (a model jaxpar would load incompletely).
 
-**Export.** ``python -m jaxpar.hf RUN_DIR OUT_DIR`` (or :func:`export`) writes a run's newest
-checkpoint, from any mesh, as a directory that ``transformers`` loads with ``from_pretrained``:
-``config.json``, safetensors files of at most ``--shard-gb`` (with an index when there are several)
-in the checkpoint's parameter dtype, and ``tokenizer.json`` when the run trained or loaded one. A
-model no family expresses (a Llama with biases, QK-norm with a sliding window, a MoE with shared
-experts or a routing bias, ...) is an error naming the key. GPT-2's key bias is written as zeros:
+**Export.** ``python -m jaxpar.hf RUN_DIR OUT_DIR`` (or :func:`export`) writes a run's newest checkpoint,
+from any mesh, as a directory that ``transformers`` loads with ``from_pretrained``: ``config.json``,
+safetensors files of at most ``--shard-gb`` (with an index when there are several) in the checkpoint's
+parameter dtype, the tokenizer's special-token ids (``bos_token_id``/``eos_token_id``, null where the
+tokenizer has none, in ``config.json`` and ``generation_config.json``: see :func:`special_tokens`),
+``tokenizer.json`` when the run trained or loaded one (with the ``tokenizer_config.json`` and
+``special_tokens_map.json`` of the model directory it came from), and ``jaxpar_export.json`` (the run,
+the step, the files). ``OUT_DIR`` is new, empty, or this run's previous export, which is replaced whole
+and at once (written beside it, then swapped in by renames: never files of two models, and a failure
+leaves it as it was); anything else (the Hugging Face model the run was imported from, a folder with
+other files, a file) is refused in one line before the checkpoint is read, exit 2 (an IO fault: 1).
+``--overwrite`` replaces any directory the same way, except the run, its checkpoints, data and
+tokenizer, and the model it was imported from (:mod:`jaxpar.hf_files`). A model no family expresses
+(a Llama with biases, QK-norm with a sliding window, a MoE with shared experts or a routing bias, ...) is
+an error naming the key. GPT-2's key bias is written as zeros:
 jaxpar has none there because a key bias adds the same ``q . b_k`` to every score of a query, which
 softmax ignores (with RoPE or QK-norm after it, Qwen2.5's, it matters and is kept).
 
@@ -38,16 +50,21 @@ Mixtral's experts), both directions side by side (each import rule next to its e
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
+from jaxpar.cli import SIZE, ArgumentParser, command
 from jaxpar.config import Config, ConfigError, ModelConfig
 from jaxpar.families import for_model
 from jaxpar.hf_config import CLASSES, _arch, config_keys, directory, read_config
+from jaxpar.hf_files import (INDEX, SINGLE, ExportError, Safetensors, Target, protected, save, source_of,
+                             special_tokens, target, write)
 from jaxpar.trainer import _get as _at
 from jaxpar.trainer import _nest
 
@@ -235,40 +252,27 @@ _FUSED_MIXTRAL = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.do
 # Import.
 
 class _Files:
-    """The safetensors files of a model directory, memory-mapped, read tensor by tensor."""
+    """The safetensors files of a model directory (:class:`jaxpar.hf_files.Safetensors`: checked against
+    each other when opened), read tensor by tensor by their names with or without GPT-2's prefix."""
 
     def __init__(self, d: Path):
-        from safetensors import safe_open
-
-        self.d, self._open = d, safe_open
-        self._handles: dict[str, Any] = {}
-        index = d / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = dict(json.loads(index.read_text())["weight_map"])
-        elif (d / "model.safetensors").is_file():
-            with safe_open(str(d / "model.safetensors"), "np") as f:
-                self.where = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise ConfigError(f"{d} has no model.safetensors or model.safetensors.index.json (PyTorch .bin files are "
-                              "not read: convert them with transformers' save_pretrained(safe_serialization=True))")
+        self.d, self.files = d, Safetensors(d)
+        self.where = self.files.where
         # GPT-2 checkpoints are saved with or without the GPT2LMHeadModel prefix
         self.prefix = "transformer." if any(k.startswith("transformer.") for k in self.where) else ""
 
     def name(self, name: str) -> str:
         full = name if name.startswith(("lm_head.", "model.")) else self.prefix + name
         if full not in self.where:
-            raise ConfigError(f"{self.d}: tensor {full!r} is missing from the safetensors files")
+            where = INDEX if (self.d / INDEX).is_file() else SINGLE
+            raise ConfigError(f"{self.d}: tensor {full!r} is missing from {where}; copy the complete model")
         return full
 
     def has(self, name: str) -> bool:
         return (name if name.startswith(("lm_head.", "model.")) else self.prefix + name) in self.where
 
     def __call__(self, name: str) -> np.ndarray:
-        full = self.name(name)
-        file = self.where[full]
-        if file not in self._handles:
-            self._handles[file] = self._open(str(self.d / file), "np")
-        return self._handles[file].get_tensor(full)
+        return self.files.read(self.name(name))
 
 
 class _Layer:
@@ -302,6 +306,16 @@ def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int) -> No
     if extra:
         raise ConfigError(f"{files.d}: {len(extra)} tensor(s) that a {CLASSES[arch]} as jaxpar builds it does not "
                           f"have, e.g. {extra[0]!r}: refusing to load a different model")
+    # ... and every tensor the mapping reads is in them (checked here, not half-way through placing)
+    for name in _top_names(arch, bool(m.tie_embeddings)):
+        files.name(name)
+    for i in range(m.n_layers):
+        view = _Layer(files, _layer_prefix(arch, i))
+        names = set(_to_hf(arch, m, n_experts))
+        if arch == "mixtral" and view.has("mlp.experts.gate_up_proj"):  # transformers 5's fused experts
+            names = {n for n in names if not n.startswith("block_sparse_moe.")} | set(_FUSED_MIXTRAL)
+        for n in sorted(names):
+            files.name(view.prefix + n)
 
 
 def load_params(trainer, d: str | Path) -> dict:
@@ -323,7 +337,7 @@ def load_params(trainer, d: str | Path) -> dict:
         ("embed", "embedding"): lambda: _pad(files(embed), vp, 0),
         ("norm_f", "scale"): lambda: files(norm),
         ("norm_f", "bias"): lambda: files("ln_f.bias"),
-        ("pos_embed",): lambda: files("wpe.weight")[: m.seq_len],
+        ("pos_embed",): lambda: files("wpe.weight"),  # all n_positions rows (model.max_positions)
         ("head", "kernel"): lambda: _pad(files("lm_head.weight").T, vp, 1),
     }
     shardings = trainer.state_shardings["params"]
@@ -395,17 +409,37 @@ def hf_tensors(trainer, params: dict):
             yield name + k, fn(lambda path, i=i: host[prefix + path][i])
 
 
-def export(trainer, params: dict, out: str | Path, tokenizer=None, shard_bytes: int = 4 << 30) -> list[Path]:
-    """Write ``params`` as a Hugging Face model directory ``out`` (see the module docstring); only
-    process 0 writes. Returns the files written."""
-    import jax
-    from safetensors.numpy import save_file
+def export_target(cfg: Config, out: str | Path, run: str | Path | None = None, overwrite: bool = False) -> Target:
+    """Where :func:`export` would write ``out`` for the run (or ``hf:DIR``) ``run`` (default: the config's
+    ``train.out_dir``), or the one-line refusal (:func:`jaxpar.hf_files.target`)."""
+    source = source_of(cfg.train.out_dir if run is None else run)
+    return target(out, source, overwrite, protected(cfg, source))
 
-    hf = hf_config(trainer.cfg)  # before anything is written: a model HF cannot express is an error
-    out = Path(out)
+
+def export(trainer, params: dict, out: str | Path, tokenizer=None, shard_bytes: int = 4 << 30, *,
+           run: str | Path | None = None, step: int | None = None, overwrite: bool = False) -> list[Path]:
+    """Write ``params`` as a Hugging Face model directory ``out`` (see the module docstring: a new or
+    empty directory, or the previous export of the same ``run``, replaced at once; ``overwrite`` replaces
+    any other directory too); only process 0 writes. ``run``: the run directory (or ``hf:DIR``) the
+    export comes from, recorded with ``step`` in ``jaxpar_export.json`` (default: the config's
+    ``train.out_dir``). Returns the files written, the marker last."""
+    import jax
+
+    cfg = trainer.cfg
+    hf = hf_config(cfg)  # before anything is written: a model HF cannot express is an error
     main = jax.process_index() == 0
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
+    failed: Exception | None = None
+    try:
+        where = export_target(cfg, out, run, overwrite) if main else None
+    except (ConfigError, ExportError) as e:
+        failed = e
+    if jax.process_count() > 1:  # every process gathers the weights below, or none does
+        from jax.experimental import multihost_utils
+
+        if not multihost_utils.broadcast_one_to_all(np.int32(failed is None)) and failed is None:
+            failed = ExportError(f"{out}: process 0 refused the export (its error line says why)")
+    if failed is not None:
+        raise failed
     shards: list[dict[str, np.ndarray]] = [{}]
     size = total = 0
     for name, a in hf_tensors(trainer, params):
@@ -416,23 +450,59 @@ def export(trainer, params: dict, out: str | Path, tokenizer=None, shard_bytes: 
         shards[-1][name] = a
         size += a.nbytes
         total += a.nbytes
-    if not main:
+    if where is None:
         return []
-    files = [out / "model.safetensors"] if len(shards) == 1 else [
-        out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for f, tensors in zip(files, shards):
-        save_file(tensors, str(f), metadata={"format": "pt"})
+    names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))]
+    writers: dict[str, Callable[[Path], object]] = {
+        n: functools.partial(save, tensors=t, metadata={"format": "pt"}) for n, t in zip(names, shards)}
+
+    def text(s: str) -> Callable[[Path], object]:
+        return lambda path: path.write_text(s)
+
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {n: f.name for f, t in zip(files, shards) for n in t}}
-        files.append(out / "model.safetensors.index.json")
-        files[-1].write_text(json.dumps(index, indent=2))
-    files.append(out / "config.json")
-    files[-1].write_text(json.dumps(hf, indent=2))
+        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, t in zip(names, shards) for k in t}}
+        writers[INDEX] = text(json.dumps(index, indent=2))
+    ids, copies = special_tokens(tokenizer, cfg.model.vocab_size)
+    hf.update(ids)
+    writers["config.json"] = text(json.dumps(hf, indent=2))
+    if any(v is not None for v in ids.values()):
+        writers["generation_config.json"] = text(json.dumps({k: v for k, v in ids.items() if v is not None}, indent=2))
     if tokenizer is not None and hasattr(tokenizer, "to_str"):
-        files.append(out / "tokenizer.json")
-        files[-1].write_text(tokenizer.to_str())
-    return files
+        writers["tokenizer.json"] = text(tokenizer.to_str())
+        for n, src in copies.items():
+            writers[n] = functools.partial(shutil.copyfile, src)
+    marker = {"source": source_of(cfg.train.out_dir if run is None else run), "step": step,
+              "class": hf["architectures"][0]}
+    return write(where, writers, marker)
+
+
+def run_config(run: str | Path, overrides: list[str]) -> Config:
+    """The config of a run directory (its ``config.yaml``, read without its ``model.init_from``: the
+    checkpoint holds the weights) or of a Hugging Face model directory given as ``hf:DIR``, with
+    ``overrides``."""
+    from jaxpar.config import load_config
+
+    if str(run).startswith("hf:"):
+        d = directory(str(run))
+        given = {o.split("=", 1)[0].strip() for o in overrides}
+        missing = ConfigError(f"{d} has no tokenizer.json: give data.tokenizer=PATH (a tokenizer.json) or "
+                              "data.tokenizer=byte")
+        if "data.tokenizer" not in given and not (d / "tokenizer.json").is_file():
+            raise missing  # (before load_config's note says the same)
+        cfg = load_config(None, [f"model.init_from={run}", *overrides])
+        if cfg.data.tokenizer == "bpe":
+            raise missing
+        return cfg
+    run = Path(run)
+    if not run.is_dir():
+        raise ConfigError(f"{run} is not a run directory (it {'is a file' if run.exists() else 'does not exist'}); "
+                          "give the train.out_dir of a run with a checkpoint, or hf:DIR for a Hugging Face model "
+                          "directory")
+    if not (run / "config.yaml").is_file():
+        raise ConfigError(f"{run} is not a run directory (no config.yaml); give a train.out_dir of a finished "
+                          "or saved run, or hf:DIR for a Hugging Face model directory")
+    return load_config(run / "config.yaml", ["model.init_from=", *overrides])
 
 
 def open_run(run: str | Path, overrides: list[str]) -> tuple:
@@ -440,66 +510,67 @@ def open_run(run: str | Path, overrides: list[str]) -> tuple:
     Hugging Face model directory given as ``hf:DIR`` (``step`` None), on the mesh the config and
     ``overrides`` describe (simulated on a host without accelerators, as by ``train.py``)."""
     from jaxpar.checkpoint import CheckpointError, Checkpointer
-    from jaxpar.config import load_config
     from jaxpar.data.sources import make_source
     from jaxpar.mesh import setup_devices
     from jaxpar.trainer import Trainer
 
+    cfg = run_config(run, overrides)
+    setup_devices(cfg.parallel, cfg.distributed)
     if str(run).startswith("hf:"):
         from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer
 
-        cfg = load_config(None, [f"model.init_from={run}", *overrides])
-        if cfg.data.tokenizer == "bpe":
-            raise ConfigError(f"{str(run)[3:]} has no tokenizer.json: give data.tokenizer=PATH (a tokenizer.json) "
-                              "or data.tokenizer=byte")
-        setup_devices(cfg.parallel, cfg.distributed)
         trainer = Trainer(cfg)
         tokenizer = ByteTokenizer() if cfg.data.tokenizer == "byte" else BPETokenizer.load(cfg.data.tokenizer)
         return trainer, load_params(trainer, directory(cfg.model.init_from)), None, tokenizer
-    run = Path(run)
-    if not (run / "config.yaml").is_file():
-        raise ConfigError(f"{run} is not a run directory (no config.yaml); give a train.out_dir of a finished "
-                          "or saved run, or hf:DIR for a Hugging Face model directory")
-    # the checkpoint holds the weights: a Hugging Face directory the run started from is not read again
-    cfg = load_config(run / "config.yaml", ["model.init_from=", *overrides])
-    setup_devices(cfg.parallel, cfg.distributed)
-    ckdir = Path(cfg.checkpoint.dir or run / "checkpoints")
+    ckdir = Path(cfg.checkpoint.dir or Path(run) / "checkpoints")
+    again = "train the run until it saves one (checkpoint.enabled=true)"
+    if not ckdir.is_dir():  # (a Checkpointer would create it)
+        raise CheckpointError(f"{ckdir} does not exist: the run holds no checkpoint to read; {again}")
     ckpt = Checkpointer(ckdir, keep=cfg.checkpoint.keep, async_save=False)
     steps = ckpt.steps()
     if not steps:
         ckpt.close()
-        raise CheckpointError(f"{ckdir} holds no complete checkpoint to read")
+        raise CheckpointError(f"{ckdir} holds no complete checkpoint to read; {again}")
     trainer = Trainer(cfg)
-    state = trainer.state_from_layer_order(ckpt.restore(steps[-1], trainer.abstract_state, cfg.to_dict())[0])
+    now = cfg.to_dict()
+    del now["model"]["init_from"]  # (cleared above on purpose: not a change a refusal should name)
+    state = trainer.state_from_layer_order(ckpt.restore(steps[-1], trainer.abstract_state, now)[0])
     ckpt.close()
     return trainer, state["params"], steps[-1], make_source(cfg, trainer.local_rows(), lambda *_: None).tokenizer
 
 
-
+@command("nothing was written")
 def main(argv: list[str] | None = None) -> int:
-    """``python -m jaxpar.hf RUN_DIR OUT_DIR [key=value ...]``: write a run's newest checkpoint as a
-    Hugging Face model directory (``config.json``, safetensors, ``tokenizer.json``)."""
+    """``python -m jaxpar.hf RUN_DIR OUT_DIR [--overwrite] [key=value ...]``: write a run's newest checkpoint
+    (or ``hf:DIR``'s weights) as a Hugging Face model directory (``config.json``, safetensors,
+    ``tokenizer.json``); OUT_DIR new, empty or this run's previous export, replaced at once."""
     import sys
 
     from jaxpar.checkpoint import CheckpointError
-    from jaxpar.cli import ArgumentParser
+    from jaxpar.distributed import ClusterError
+    from jaxpar.mesh import PlatformError
 
     ap = ArgumentParser(prog="python -m jaxpar.hf", description=main.__doc__)
-    ap.add_argument("run", help="a run directory (train.out_dir) with checkpoints")
-    ap.add_argument("out", help="the Hugging Face model directory to write")
-    ap.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, in GiB (default 4)")
+    ap.add_argument("run", help="a run directory (train.out_dir) with checkpoints, or hf:DIR")
+    ap.add_argument("out", help="the Hugging Face model directory to write: new, empty, or this run's export")
+    ap.add_argument("--shard-gb", type=SIZE, default=4.0, help="largest safetensors file, in GiB (default 4)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace OUT_DIR whatever it holds (all of it, at once); never the run, its checkpoints, "
+                         "data or tokenizer, or the model it was imported from")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.data=1 (the mesh to load on)")
     a = ap.parse_intermixed_args(argv)
     try:
-        if a.shard_gb <= 0:
-            raise ConfigError(f"--shard-gb {a.shard_gb}: give a size above 0")
-        trainer, params, step, tokenizer = open_run(Path(a.run), a.overrides)
-        files = export(trainer, params, a.out, tokenizer, shard_bytes=int(a.shard_gb * 2**30))
-    except (ConfigError, CheckpointError) as e:
+        cfg = run_config(a.run, a.overrides)
+        hf_config(cfg)  # a model no family expresses, and a target to refuse: before the checkpoint is read
+        export_target(cfg, a.out, a.run, a.overwrite)
+        trainer, params, step, tokenizer = open_run(a.run, a.overrides)
+        files = export(trainer, params, a.out, tokenizer, shard_bytes=int(a.shard_gb * 2**30), run=a.run,
+                       step=step, overwrite=a.overwrite)
+    except (ConfigError, CheckpointError, ExportError, PlatformError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
-    print(f"wrote {a.run} step {step} as {CLASSES[hf_config(trainer.cfg)['model_type']]}: "
-          + ", ".join(f.name for f in files))
+    print(f"wrote {a.run}{'' if step is None else f' step {step}'} as {CLASSES[hf_config(trainer.cfg)['model_type']]} "
+          f"to {a.out}: " + ", ".join(f.name for f in files))
     return 0
 
 

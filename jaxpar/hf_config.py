@@ -23,6 +23,8 @@ def directory(init_from: str) -> Path:
     """The model directory of a ``model.init_from`` value (``hf:DIR``)."""
     if not init_from.startswith(PREFIX):
         raise ConfigError(f"model.init_from={init_from!r}: expected hf:/path/to/a/hugging/face/model/dir")
+    if not init_from[len(PREFIX):].strip():
+        raise ConfigError(f"{init_from} names no folder; give hf:DIR, a Hugging Face model directory")
     d = Path(init_from[len(PREFIX):]).expanduser()
     if not (d / "config.json").is_file():
         raise ConfigError(f"model.init_from={init_from!r}: {d} has no config.json (a local Hugging Face model "
@@ -83,4 +85,4 @@ def check(cfg) -> None:
     where = f"{d}/config.json"
     if hf.get("model_type") == "gpt2" and cfg.model.seq_len > hf["n_positions"]:
         raise ConfigError(f"model.seq_len={cfg.model.seq_len} exceeds the {hf['n_positions']} learned positions of "
-                          f"{where} (n_positions)")
+                          f"{where} (n_positions); lower model.seq_len")

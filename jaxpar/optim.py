@@ -46,8 +46,32 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(t: TrainConfig, axes: dict) -> optax.GradientTransformation:
+def keep_unused_positions(axes: dict, used: int) -> optax.GradientTransformation:
+    """Rows ``>= used`` of a ``positions`` table (a learned position table longer than the training
+    context, e.g. GPT-2's 1024 imported for ``model.seq_len=128``) get no update at all: no gradient
+    reaches them, and AdamW's decoupled weight decay would otherwise shrink them every step, so the
+    rows the run never used would not export as imported."""
+
+    def update(updates, state, params=None):
+        del params
+
+        def keep(u, ax):
+            if not ax or ax[0] != "positions" or u.shape[0] <= used:
+                return u
+            rows = jax.lax.broadcasted_iota(jnp.int32, u.shape, 0)
+            return jnp.where(rows < used, u, jnp.zeros((), u.dtype))
+
+        return jax.tree.map(keep, updates, axes, is_leaf=lambda x: isinstance(x, tuple)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(t: TrainConfig, axes: dict, positions_used: int | None = None) -> optax.GradientTransformation:
+    """Clipping, then AdamW (:func:`decay_mask`); with ``positions_used`` (the training context),
+    the rows of a position table beyond it are left as they are (:func:`keep_unused_positions`)."""
     parts = [clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     parts.append(optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, eps=t.eps, weight_decay=t.weight_decay,
                              mask=decay_mask(axes)))
+    if positions_used is not None:
+        parts.append(keep_unused_positions(axes, positions_used))
     return optax.chain(*parts)

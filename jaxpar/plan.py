@@ -58,14 +58,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import shlex
 import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from jaxpar.config import Config, ConfigError, validate
+from jaxpar.cli import COUNT, ArgumentParser, command, number
+from jaxpar.config import Config, ConfigError, Range, validate
 from jaxpar.mesh import AXES
 
 GIB = 2**30
+EFFICIENCY = Range(0, 1, lo_open=True)  # the fraction of peak the matmuls reach
 
 
 @dataclass(frozen=True)
@@ -109,14 +112,23 @@ class Estimate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _factorizations(n: int, k: int):
+    """Every ``k``-tuple of sizes whose product is ``n``, in lexicographic order."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorizations(n // d, k - 1):
+            yield (d, *rest)
 
 
 def layouts(n: int, pipe_ok: bool = True, moe: bool = False):
     """Every ``parallel.*`` + ``model.remat`` override set for ``n`` devices."""
-    for sizes in itertools.product(*[_divisors(n)] * 5):
-        if math.prod(sizes) != n:
-            continue
+    for sizes in _factorizations(n, len(AXES)):
         par = dict(zip(AXES, sizes))
         if (par["pipe"] > 1 and not pipe_ok) or (par["expert"] > 1 and not moe):
             continue
@@ -135,6 +147,8 @@ class Planner:
 
     def __init__(self, cfg: Config, cluster: Cluster, nodes: int = 1, efficiency: float = 0.5,
                  platform: str = "gpu"):
+        if nodes < 1 or efficiency not in EFFICIENCY:
+            raise ConfigError(f"Planner(nodes={nodes}, efficiency={efficiency}): nodes >= 1, efficiency in (0, 1]")
         self.cfg, self.cluster, self.nodes = cfg, cluster, nodes
         self.n = cluster.per_node * nodes
         self.efficiency, self.platform = efficiency, platform
@@ -362,17 +376,18 @@ def table(ests: list[Estimate]) -> str:
     return "\n".join(rows)
 
 
+@command()
 def main(argv: list[str] | None = None) -> int:
-    from jaxpar.cli import ArgumentParser
-
     ap = ArgumentParser(prog="python -m jaxpar.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="a YAML config (model, batch); its parallel keys are ignored")
     ap.add_argument("--cluster", default="h100x8", help=f"one of {', '.join(CLUSTERS)}")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--top", type=int, default=10, help="layouts to print")
-    ap.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak the matmuls reach")
+    ap.add_argument("--nodes", type=COUNT, default=1, help="nodes of the cluster (>= 1)")
+    ap.add_argument("--top", type=COUNT, default=10, help="layouts to print (>= 1)")
+    ap.add_argument("--efficiency", type=number(float, EFFICIENCY), default=0.5,
+                    help="fraction of peak the matmuls reach, in (0, 1] (default 0.5)")
     ap.add_argument("--rejected", action="store_true", help="also print every rejected layout and why")
-    ap.add_argument("--check", type=int, default=0, help="compile the K best on simulated CPU devices and compare")
+    ap.add_argument("--check", type=number(int, Range(0), "0 = none"), default=0,
+                    help="compile the K best on simulated CPU devices and compare (0 = none)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the model and batch")
     a = ap.parse_intermixed_args(argv)
     from jaxpar.config import load_config
@@ -380,15 +395,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cluster not in CLUSTERS:
             raise ConfigError(f"--cluster {a.cluster!r}: choose one of {', '.join(CLUSTERS)}")
-        if a.nodes < 1:
-            raise ConfigError(f"--nodes {a.nodes}: at least 1")
+        for o in a.overrides:  # the keys the planner chooses itself: an override of them would be dropped
+            key = o.split("=", 1)[0]
+            if key.startswith("parallel.") or key == "model.remat":
+                raise ConfigError(f"{o}: the planner chooses the parallel layout and model.remat itself; give "
+                                  "overrides of the model and batch only")
         if a.check:  # before JAX starts: as many simulated devices as the cluster has
             import jax
 
             from jaxpar.mesh import request_cpu_devices
 
             jax.config.update("jax_platforms", "cpu")
-            request_cpu_devices(CLUSTERS[a.cluster].per_node * a.nodes)
+            try:
+                request_cpu_devices(CLUSTERS[a.cluster].per_node * a.nodes)
+            except RuntimeError as e:  # JAX already started (main called from a process that used JAX)
+                raise ConfigError(f"--check: {e}") from None
         cfg = load_config(a.config, a.overrides)
         cfg = dataclasses.replace(cfg, parallel=type(cfg.parallel)())
         planner = Planner(cfg, CLUSTERS[a.cluster], a.nodes, a.efficiency)
@@ -396,24 +417,28 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             need = min((r for r in rejected if "GiB per device" in r[1]), default=None,
                        key=lambda r: float(r[1].split("needs ")[1].split(" GiB")[0]))
-            why = (f"the smallest estimate is {need[1].split('needs ')[1].split(' per')[0]} per device "
-                   f"({describe(need[0])})" if need else "no layout passes the checks")
-            raise ConfigError(f"no layout of {planner.n} devices fits {CLUSTERS[a.cluster].hbm_gib:g} GiB per "
-                              f"device: {why}")
+            if need:
+                raise ConfigError(f"no layout of {planner.n} devices fits {CLUSTERS[a.cluster].hbm_gib:g} GiB per "
+                                  f"device: the smallest estimate is {need[1].split('needs ')[1].split(' per')[0]} "
+                                  f"per device ({describe(need[0])})")
+            # else the reason of the plainest layout (all devices on data, if that is one)
+            plain = max(rejected, key=lambda r: (r[0]["parallel.data"], -r[0]["parallel.zero"]))
+            raise ConfigError(f"no layout of {planner.n} devices passes the checks (e.g. {describe(plain[0])}: "
+                              f"{plain[1]})")
+        print(f"{len(ok)} layouts fit on {planner.n} devices ({a.nodes} x {a.cluster}), {len(rejected)} rejected; "
+              "fastest first:")
+        print(table(ok[: a.top]))
+        print("\nbest: python train.py " + " ".join(shlex.quote(w) for w in (
+            [*(["--config", a.config] if a.config else []), *a.overrides, *ok[0].args()])))
+        if a.rejected:
+            print("\nrejected:")
+            for ov, why in rejected:
+                print(f"  {describe(ov)}: {why}")
+        if a.check:
+            print("\n" + check(cfg, ok[: a.check]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{len(ok)} layouts fit on {planner.n} devices ({a.nodes} x {a.cluster}), {len(rejected)} rejected; "
-          "fastest first:")
-    print(table(ok[: a.top]))
-    print("\nbest: python train.py " + (f"--config {a.config} " if a.config else "") + " ".join(
-        [*a.overrides, *ok[0].args()]))
-    if a.rejected:
-        print("\nrejected:")
-        for ov, why in rejected:
-            print(f"  {describe(ov)}: {why}")
-    if a.check:
-        print("\n" + check(cfg, ok[: a.check]))
     return 0
 
 

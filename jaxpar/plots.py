@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from jaxpar.cli import COUNT, ArgumentParser, command
 from jaxpar.layers.pipeline import bubble_fraction, in_flight, schedule, schedule_1f1b
 
 
@@ -103,16 +104,15 @@ def check_schedule_args(stages: int, microbatches: int, repeats: int, out: str |
         raise ValueError(f"--out={out}: unknown image format {fmt!r}; use one of {', '.join(sorted(formats))}")
 
 
+@command()
 def main(argv=None) -> int:
     """``python -m jaxpar.plots``: exit 0, or 2 with one ``error:`` line for a bad argument."""
     import sys
 
-    from jaxpar.cli import ArgumentParser
-
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stages", type=int, required=True)
-    ap.add_argument("--microbatches", type=int, required=True)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--stages", type=COUNT, required=True, help=">= 1")
+    ap.add_argument("--microbatches", type=COUNT, required=True, help=">= 1")
+    ap.add_argument("--repeats", type=COUNT, default=1, help=">= 1")
     ap.add_argument("--schedule", default="gpipe",
                     help="gpipe (circular with --repeats > 1) or 1f1b (interleaved with --repeats > 1)")
     ap.add_argument("--out", default="pipeline_schedule.png")

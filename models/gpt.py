@@ -106,7 +106,7 @@ class GPT(nnx.Module):
         self.dtype = dtype
         self.embed = VocabParallelEmbed(cfg.vocab_size, cfg.d_model, vocab_multiple=cfg.vocab_multiple, tensor=tensor,
                                         init_std=cfg.init_std, dtype=dtype, param_dtype=pd, rngs=rngs)
-        self.pos_embed = (param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.seq_len, cfg.d_model), pd),
+        self.pos_embed = (param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_positions, cfg.d_model), pd),
                                 ("positions", "embed"))
                           if cfg.positions == "learned" else None)
         self.tensor = tensor
@@ -205,8 +205,9 @@ def embed_tokens(outer: dict, cfg: ModelConfig, dtype, tokens: jax.Array, positi
     """Token (and learned position) embeddings of ``tokens [B, T]`` by :meth:`GPT.outer`'s modules, scaled
     by sqrt(d_model) with ``model.embed_scale``; ``positions`` ``[T]`` or ``[B, T]`` (None: ``0..T-1``)."""
     t = tokens.shape[1]
-    if t > cfg.seq_len and outer["pos_embed"] is not None:
-        raise ValueError(f"sequence of {t} tokens exceeds model.seq_len={cfg.seq_len}")
+    if outer["pos_embed"] is not None and t > outer["pos_embed"].shape[0]:
+        raise ValueError(f"sequence of {t} tokens exceeds the {outer['pos_embed'].shape[0]} learned positions "
+                         "(model.max_positions)")
     x = outer["embed"](tokens)
     if cfg.embed_scale:  # as Gemma: the factor rounded to the weights' dtype first
         x = x * jnp.asarray(math.sqrt(cfg.d_model), DTYPES[cfg.param_dtype]).astype(x.dtype)

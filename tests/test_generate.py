@@ -20,10 +20,10 @@ MOE = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__d_ff=64, moe_
            moe__dispatch="sorted")
 
 
-def recompute(t, params, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding by the model's full forward pass over the window for each token (the window
-    slides as the generator's: when full, the last seq_len // 2 tokens are kept)."""
-    seq_len, vocab = t.cfg.model.seq_len, t.cfg.model.vocab_size
+def recompute(t, params, prompt: list[int], n: int, seq_len: int | None = None) -> list[int]:
+    """Greedy decoding by the model's full forward pass over the window (``seq_len``, default model.seq_len)
+    for each token (the window slides as the generator's: when full, the last seq_len // 2 tokens are kept)."""
+    seq_len, vocab = seq_len or t.cfg.model.seq_len, t.cfg.model.vocab_size
     fn = jax.jit(lambda p, toks: t.adapter.model(p)(toks))
     ctx, out = list(prompt), []
     for _ in range(n):
@@ -126,3 +126,64 @@ def test_generator_for_a_model_outside_the_trainer():
     t, params = _setup("llama_gqa")
     gen = Generator(t.adapter.model)
     assert gen(params, PROMPTS[:1], 5, GREEDY) == [recompute(t, params, PROMPTS[0], 5)]
+
+
+def test_chunked_generation_gives_the_same_tokens_and_reports_progress():
+    """Decoding in compiled calls of 3 steps (progress between them) draws the tokens of one call per
+    segment: sampled rows equal token for token (the same key per step), greedy rows equal recomputing the
+    window; the progress calls count the steps, 3 at a time within each segment, up to the request."""
+    t, params = _setup("gpt2")
+    warm = Sampling(temperature=1.0)
+    calls = []
+    chunked = Generator(t.adapter.model, chunk=3)
+    got = chunked(params, PROMPTS, 12, warm, seed=5, progress=lambda done, total: calls.append((done, total)))
+    assert got == Generator(t.adapter.model)(params, PROMPTS, 12, warm, seed=5)
+    # segment 1: the longest prompt (7) fills the window of 16 in 9 steps (3 calls); segment 2: 3 steps
+    assert calls == [(3, 12), (6, 12), (9, 12), (12, 12)]
+    greedy = Generator(t.adapter.model, chunk=4)(params, PROMPTS[:1], 15, GREEDY)
+    assert greedy == [recompute(t, params, PROMPTS[0], 15)]
+
+
+def test_a_request_is_checked_before_anything_is_compiled(monkeypatch):
+    """Ids the model does not have, a vocabulary beyond the model's, a non-integer count, and a KV cache
+    that the devices' free memory cannot hold: each a ConfigError naming it, with nothing compiled."""
+    import jaxpar.generate as g
+
+    t, params = _setup("gpt2")
+    gen = for_trainer(t)
+    for args, needle in [(([[1, 250]], 3), "prompt 0 has the id 250, not one of the model's ids 0..249"),
+                         (([[1, -1]], 3), "prompt 0 has the id -1"),
+                         (([[1]], 2.5), "n_tokens=2.5 must be an integer >= 0"),
+                         (([[1]], -1), "n_tokens=-1 must be an integer >= 0")]:
+        with pytest.raises(ConfigError, match=needle):
+            gen(params, *args, GREEDY)
+    with pytest.raises(ConfigError, match="vocab=251: draw from 1..model.vocab_size=250 ids"):
+        gen(params, [[1]], 3, GREEDY, vocab=251)
+    with pytest.raises(ConfigError, match="chunk=0"):
+        Generator(t.adapter.model, chunk=0)
+    # the cache by hand: 2 layers x (K and V) x 3 rows x 16 positions x 8 kv heads x 8 dims x 4 bytes (float32);
+    # the prefill's logits: 3 rows x 7 positions x 256 padded ids x 4 bytes (one device, no split)
+    model = t.adapter.model(params)
+    assert model.dtype == jnp.float32 and model.cfg.n_kv_heads == 8 and model.cfg.head_dim == 8
+    cache, logits = 2 * 2 * 3 * 16 * 8 * 8 * 4, 3 * 7 * 256 * 4
+    need = gen.check(params, PROMPTS, 5)
+    assert (need["cache"], need["logits"], need["window"]) == (cache, logits, 16)
+    monkeypatch.setattr(g, "free_memory", lambda devices: (cache, "the test's device has 1 KiB free"))
+    with pytest.raises(ConfigError) as e:
+        gen(params, PROMPTS, 10**8, GREEDY)
+    assert str(e.value).startswith("generating for 3 prompt(s) needs 69.0 KiB per device (the KV cache of 3 rows x "
+                                   "16 positions x 2 layers: 48.0 KiB; the prompts' float32 logits: 21.0 KiB) and the "
+                                   "test's device has 1 KiB free; give fewer prompts")
+    assert gen._fns == {}
+    one, one_params = _setup("gpt2", model__seq_len=1)  # a window of one position has no room for a new token
+    with pytest.raises(ConfigError, match="attends to 1 position"):
+        for_trainer(one)(one_params, [[1]], 1, GREEDY)
+
+
+def test_learned_positions_generate_over_the_whole_position_table():
+    """model.max_positions=16 rows of learned positions, trained context model.seq_len=8: the cache holds
+    the 16 positions the model can attend to; greedy tokens equal recomputing a window of 16 (sliding past it)."""
+    t, params = _setup("gpt2", model__seq_len=8, model__max_positions=16)
+    gen = for_trainer(t)
+    assert gen.check(params, PROMPTS, 20)["window"] == 16
+    assert gen(params, PROMPTS[1:2], 20, GREEDY) == [recompute(t, params, PROMPTS[1], 20, seq_len=16)]

@@ -5,6 +5,8 @@ them at 0 and 1, which would hide a wrong mapping). The reference is transformer
 """
 
 import json
+import logging
+import os
 
 import jax
 import numpy as np
@@ -115,7 +117,7 @@ def test_export_loads_in_transformers(tmp_path, arch, layout):
     trainer = Trainer(cfg)
     params = randomised(trainer, trainer.init_state())
     files = hf.export(trainer, params, tmp_path)
-    assert {f.name for f in files} == {"model.safetensors", "config.json"}
+    assert {f.name for f in files} == {"model.safetensors", "config.json", "jaxpar_export.json"}
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [hf.CLASSES[arch]]
     toks = tokens(seed=1)
     got, ref = jaxpar_logits(trainer, params, toks), hf_logits(tmp_path, toks)
@@ -147,9 +149,46 @@ def test_circular_pipeline_import_and_sharded_export(tmp_path):
     np.testing.assert_allclose(hf_logits(tmp_path / "out", tokens()), ref, atol=1e-5)
 
 
-def test_import_train_export(tmp_path, hf_dirs):
-    """An HF GPT-2 trained 10 steps on Shakespeare by train.py's run, exported by the CLI, loads in
-    transformers with jaxpar's logits."""
+class Warnings(logging.Handler):
+    """The warnings transformers logs (its logger does not propagate to pytest's capture), those it logs
+    once per process included (its ``warning_once`` cache is cleared: an earlier test may have logged one)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]  (added by transformers)
+        logging.getLogger("transformers").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("transformers").removeHandler(self)
+
+
+def load_quietly(d):
+    """``from_pretrained(d)`` and the warnings it logged."""
+    libs()
+    with Warnings() as w:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return model, w.messages
+
+
+def safetensors_of(d) -> dict:
+    from safetensors.numpy import load_file
+
+    return {k.removeprefix("transformer."): v for k, v in load_file(str(d / "model.safetensors")).items()}
+
+
+def test_import_train_export(tmp_path, hf_dirs, capsys):
+    """An HF GPT-2 (32 positions) trained 10 steps at seq_len 16 on Shakespeare by train.py's run, exported
+    by the CLI, loads in transformers with jaxpar's logits and no warning (null BOS/EOS: the byte tokenizer
+    has none, not GPT-2's 50256); the position table keeps its 32 rows, the 16 never trained bit-identical
+    to the source's (with weight decay, which AdamW would otherwise apply to them too). A second export replaces the first
+    whole; the model the run was imported from is never a target."""
     from jaxpar.hf import open_run
     from jaxpar.run import run
 
@@ -158,7 +197,8 @@ def test_import_train_export(tmp_path, hf_dirs):
     cfg = load_config(None, [f"model.init_from=hf:{d}", "data.source=shakespeare", "data.tokenizer=byte",
                              f"data.cache_dir={tmp_path / 'cache'}", "train.steps=10", "train.batch_size=8",
                              "train.eval_batches=1", f"model.seq_len={T}", "parallel.data=4", "parallel.tensor=2",
-                             "sample.tokens=0", f"train.out_dir={out}", "checkpoint.async_save=false"])
+                             "sample.tokens=0", f"train.out_dir={out}", "checkpoint.async_save=false",
+                             "train.weight_decay=0.1"])
     summary = run(cfg, log=lambda *a, **k: None)
     assert np.isfinite(summary["final_loss"]) and summary["steps"] == 10
     assert hf.main([str(out), str(tmp_path / "hf")]) == 0
@@ -167,8 +207,67 @@ def test_import_train_export(tmp_path, hf_dirs):
     trained = np.asarray(params["blocks"]["mlp"]["up"]["kernel"])
     assert not np.allclose(trained, np.asarray(hf.load_params(trainer, d)["blocks"]["mlp"]["up"]["kernel"]))
     toks = tokens(b=8, seed=2)
-    got, ref = jaxpar_logits(trainer, params, toks), hf_logits(tmp_path / "hf", toks)
+    model, warned = load_quietly(tmp_path / "hf")
+    assert warned == []
+    got, ref = jaxpar_logits(trainer, params, toks), hf_logits(model, toks)
     assert np.max(np.abs(got - ref)) < 1e-4
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["n_positions"] == 32 and conf["bos_token_id"] is None and conf["eos_token_id"] is None
+    src, new = safetensors_of(d)["wpe.weight"], safetensors_of(tmp_path / "hf")["wpe.weight"]
+    assert new.shape == src.shape == (32, 32)
+    np.testing.assert_array_equal(new[T:], src[T:])
+    assert not np.any(np.all(new[:T] == src[:T], axis=1))  # every trained row moved
+    # the same run again: replaced whole (here by a sharded export: no model.safetensors left)
+    assert hf.main([str(out), str(tmp_path / "hf"), "--shard-gb", "0.00002"]) == 0
+    names = set(os.listdir(tmp_path / "hf"))
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    np.testing.assert_allclose(hf_logits(tmp_path / "hf", toks), ref, atol=1e-5)
+    # the directory the run was imported from: refused, --overwrite or not, every byte kept
+    before = {f: (d / f).read_bytes() for f in os.listdir(d)}
+    capsys.readouterr()
+    for extra in ([], ["--overwrite"]):
+        assert hf.main([str(out), str(d), *extra]) == 2
+        assert {f: (d / f).read_bytes() for f in os.listdir(d)} == before
+    # an override the checkpoint cannot be read with: one line, nothing written
+    assert hf.main([str(out), str(tmp_path / "other"), "model.n_layers=3"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err), err  # the two above, and this one
+    assert "belongs to another model" in err[2] and "model.n_layers: 2 in the checkpoint, 3 now)" in err[2], err
+    assert not (tmp_path / "other").exists()
+
+
+def test_gpt2_round_trip_keeps_positions_and_special_tokens(tmp_path):
+    """A GPT-2 with 64 positions and its tokenizer (BOS = EOS = id 0, tokenizer_config.json), imported at
+    seq_len 16 and exported by ``python -m jaxpar.hf hf:DIR``: the 64-row table and the embedding
+    bit-identical, n_positions 64, the special-token ids and tokenizer files kept, transformers loads it
+    without a warning, and on 40 tokens (past seq_len) its logits are the source's."""
+    from jaxpar.data.tokenizer import BPETokenizer
+
+    model = hf_model("gpt2", n_positions=64, bos_token_id=0, eos_token_id=0)
+    src, out = tmp_path / "src", tmp_path / "out"
+    model.save_pretrained(src)
+    BPETokenizer.train(["to be or not to be, that is the question\n" * 40], V, src / "tokenizer.json")
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"), bos_token="<|endoftext|>",
+                                         eos_token="<|endoftext|>").save_pretrained(src)
+    assert hf.main([f"hf:{src}", str(out), f"model.seq_len={T}", "parallel.data=8"]) == 0
+    a, b = safetensors_of(src), safetensors_of(out)
+    assert b["wpe.weight"].shape == (64, 32)
+    for name in ("wpe.weight", "wte.weight"):
+        np.testing.assert_array_equal(b[name], a[name])
+    conf, gen = (json.loads((out / f).read_text()) for f in ("config.json", "generation_config.json"))
+    assert conf["n_positions"] == 64
+    assert [conf["bos_token_id"], conf["eos_token_id"], gen["bos_token_id"], gen["eos_token_id"]] == [0, 0, 0, 0]
+    assert (out / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
+    again, warned = load_quietly(out)
+    assert warned == [] and again.config.eos_token_id == 0
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).eos_token == "<|endoftext|>"
+    long = np.random.default_rng(5).integers(0, V, (2, 40))
+    np.testing.assert_allclose(hf_logits(again, long), hf_logits(model, long), atol=1e-5)
+    # the capture is live: the same model without its ids falls back to GPT-2's 50256 and warns
+    del conf["bos_token_id"], conf["eos_token_id"]
+    (out / "config.json").write_text(json.dumps(conf))
+    os.remove(out / "generation_config.json")
+    assert any("bos_token_id" in w for w in load_quietly(out)[1])
 
 
 def test_config_errors(tmp_path, hf_dirs):

@@ -21,12 +21,13 @@ def config_keys(hf: dict, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
             "model.tie_embeddings": True, "model.n_layers": hf["n_layer"], "model.d_model": d,
             "model.n_heads": hf["n_head"], "model.n_kv_heads": hf["n_head"], "model.head_dim": d // hf["n_head"],
             "model.d_ff": hf.get("n_inner") or 4 * d, "model.vocab_size": hf["vocab_size"],
-            "model.norm_eps": hf.get("layer_norm_epsilon", 1e-5)}
+            "model.norm_eps": hf.get("layer_norm_epsilon", 1e-5), "model.max_positions": hf["n_positions"]}
     del hard["model.rope_scaling"]  # no RoPE at all
+    # the whole position table is the model's; model.seq_len (at most n_positions) only limits training
     return hard, {"model.seq_len": hf["n_positions"]}
 
 
 def to_hf(m, moe=None) -> dict[str, Any]:
     return {"n_layer": m.n_layers, "n_embd": m.d_model, "n_head": m.n_heads, "n_inner": m.d_ff,
-            "vocab_size": m.vocab_size, "n_positions": m.seq_len, "n_ctx": m.seq_len,
+            "vocab_size": m.vocab_size, "n_positions": m.max_positions, "n_ctx": m.max_positions,
             "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new", "tie_word_embeddings": True}
