@@ -27,7 +27,7 @@ position, placed on this run's mesh (which may differ from the saving run's). Th
 are then bit-identical to an uninterrupted run on the same mesh; ``metrics.jsonl`` keeps the
 records of the steps before it and rewrites the rest. A run whose checkpoint is already at
 ``train.steps`` trains, compiles and writes nothing (the directory keeps describing the run that
-made it). ``step_time`` and the throughput derived from it are the training steps' own: evaluation
+made it); its data and checkpoint are checked as a resume would. ``step_time`` and the throughput derived from it are the training steps' own: evaluation
 and saving run off the clock, after the step they follow has finished (:meth:`TrainLoop.off_the_clock`).
 
 **Faults.** A non-finite step is skipped (see :class:`Trainer`) and counted; ``train.max_bad_steps``
@@ -224,18 +224,23 @@ def run(cfg: Config, mesh=None, log=print, hooks: list[tuple[Callable[[StepInfo]
         trainer = Trainer(cfg, mesh=mesh)
         oom = OutOfMemoryAsError(trainer)
         ckpt, resume_step = open_checkpoints(cfg, log, start_up)
-        if resume_step is not None and resume_step >= cfg.train.steps:
+        finished = resume_step is not None and resume_step >= cfg.train.steps
+        if not finished:
+            log(startup_report(trainer))
+        rows = trainer.local_rows()
+        if jax.process_count() > 1 and not finished:  # every process says what it holds
+            print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local devices, "
+                  f"loads rows {rows.start}:{rows.stop} of each global batch of {cfg.train.batch_size}", flush=True)
+        source = make_source(cfg, rows, log)
+        if finished:  # checked as a resume would be (the data, the model's shapes), then nothing is done
+            assert ckpt is not None and resume_step is not None
+            with oom:
+                restore_state(cfg, trainer, ckpt, resume_step, source, _quiet)
             summary = _nothing_left(cfg, out, ckpt, resume_step, log)
             ckpt = None  # closed
             signals.close()
             start_up.undo()
             return summary
-        log(startup_report(trainer))
-        rows = trainer.local_rows()
-        if jax.process_count() > 1:  # every process says what it holds
-            print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local devices, "
-                  f"loads rows {rows.start}:{rows.stop} of each global batch of {cfg.train.batch_size}", flush=True)
-        source = make_source(cfg, rows, log)
         signals.check()
         t0 = time.perf_counter()
         with oom:  # compiled first: the memory it needs is checked before any state is allocated

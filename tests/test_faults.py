@@ -441,12 +441,12 @@ def test_a_failed_start_in_a_new_directory_leaves_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--stages", "0", "--microbatches", "4"], "--stages=0, --microbatches=4 and --repeats=1 must be >= 1"),
-    (["--stages", "2", "--microbatches", "4", "--repeats", "0"], "must be >= 1"),
+    (["--stages", "0", "--microbatches", "4"], "argument --stages: 0 is out of range: it must be >= 1"),
+    (["--stages", "2", "--microbatches", "4", "--repeats", "0"], "argument --repeats: 0 is out of range: it must be >= 1"),
     (["--stages", "4", "--microbatches", "2", "--repeats", "2"], "needs --microbatches >= --stages (4)"),
     (["--stages", "2", "--microbatches", "4", "--out", "/no/such/folder/s.png"], "the folder '/no/such/folder' does"),
     (["--stages", "2", "--microbatches", "4", "--out", "{tmp}/s.xyz"], "unknown image format 'xyz'; use one of"),
-    (["--stages", "two", "--microbatches", "4"], "argument --stages: invalid int value: 'two'"),
+    (["--stages", "two", "--microbatches", "4"], "argument --stages: 'two' is not an integer"),
 ])
 def test_plots_cli_errors_are_one_line(tmp_path, args, needle):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
