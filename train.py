@@ -39,8 +39,16 @@ def _on_ctrl_c(signum, _frame) -> None:
         raise KeyboardInterrupt
 
 
+def _quiet_swallowed_ctrl_c(unraisable) -> None:
+    """A KeyboardInterrupt raised inside a callback Python cannot propagate from (JAX's gc callback) was
+    noted by the handler: no "Exception ignored in ..." traceback for it."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _on_ctrl_c)
+    sys.unraisablehook = _quiet_swallowed_ctrl_c
 
 import argparse  # noqa: E402
 import os  # noqa: E402

@@ -122,10 +122,18 @@ class StartUpSignals:
         import signal
         import threading
 
-        self.seen, self.previous = False, None
+        self.seen, self.previous, self.hook = False, None, None
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):  # e.g. started with nohup ... &
             self.previous = signal.signal(signal.SIGINT, self._interrupt)
+            # one raised inside a callback Python cannot propagate from (JAX's gc callback) is reported as
+            # "Exception ignored in ..." with a traceback: it is noted here, and honoured at the next check
+            self.hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
+
+    def _unraisable(self, unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            (self.hook or sys.__unraisablehook__)(unraisable)
 
     def _interrupt(self, *_):
         self.seen = True
@@ -141,6 +149,9 @@ class StartUpSignals:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
             self.previous = None
+        if self.hook is not None:
+            sys.unraisablehook = self.hook
+            self.hook = None
 
 
 class Preemption:
