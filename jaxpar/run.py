@@ -27,8 +27,9 @@ position, placed on this run's mesh (which may differ from the saving run's). Th
 are then bit-identical to an uninterrupted run on the same mesh; ``metrics.jsonl`` keeps the
 records of the steps before it and rewrites the rest. A run whose checkpoint is already at
 ``train.steps`` trains, compiles and writes nothing (the directory keeps describing the run that
-made it); its data and checkpoint are checked as a resume would. ``step_time`` and the throughput derived from it are the training steps' own: evaluation
-and saving run off the clock, after the step they follow has finished (:meth:`TrainLoop.off_the_clock`).
+made it); its data and checkpoint are checked as a resume would. ``step_time`` and the
+throughput derived from it are the training steps' own: evaluation and saving run off the clock,
+after the step they follow has finished (:meth:`TrainLoop.off_the_clock`).
 
 **Faults.** A non-finite step is skipped (see :class:`Trainer`) and counted; ``train.max_bad_steps``
 in a row raise :class:`TrainingError`. SIGTERM (preemption) saves a checkpoint after the current
