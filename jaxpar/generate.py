@@ -42,7 +42,6 @@ devices' memory, and the command line that reports its progress are read togethe
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,11 +222,9 @@ def free_memory(devices) -> tuple[int, str]:
     if stats.get("bytes_limit"):
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return free, f"{d.device_kind} has {fmt_bytes(free)} free"
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    from jaxpar.faults import host_memory
+
+    avail = host_memory()[0]
     n = len(devices)
     return avail // n, (f"this host has {fmt_bytes(avail)} available for its {n} CPU device"
                         + (f"s ({fmt_bytes(avail // n)} each)" if n > 1 else ""))
