@@ -112,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_with_line(message: str, status: int):
     """The error line last, then exit at once: after a dead peer JAX's shutdown would wait for it
     until the heartbeat timeout, and after an unreadable checkpoint tensorstore's reader threads
-    print tracebacks of their own cancelled reads."""
+    print tracebacks of their own cancelled reads. Both streams go quiet before the line is written
+    (through a copy of stderr), so no thread's report can land after it."""
     sys.stdout.flush()
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    quiet = os.open(os.devnull, os.O_WRONLY)
+    err, quiet = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process ends below
     os.dup2(quiet, 1)
     os.dup2(quiet, 2)
+    os.write(err, f"error: {message}\n".encode())
     os._exit(status)
 
 

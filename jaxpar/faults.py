@@ -122,7 +122,7 @@ class StartUpSignals:
         import signal
         import threading
 
-        self.seen, self.previous, self.hook = False, None, None
+        self.seen, self.previous, self.hook, self.closed = False, None, None, False
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN):  # e.g. started with nohup ... &
             self.previous = signal.signal(signal.SIGINT, self._interrupt)
@@ -132,7 +132,7 @@ class StartUpSignals:
             sys.unraisablehook = self._unraisable
 
     def _unraisable(self, unraisable) -> None:
-        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        if self.closed or not isinstance(unraisable.exc_value, KeyboardInterrupt):
             (self.hook or sys.__unraisablehook__)(unraisable)
 
     def _interrupt(self, *_):
@@ -149,9 +149,12 @@ class StartUpSignals:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
             self.previous = None
-        if self.hook is not None:
+        self.closed = True
+        if self.hook is not None and sys.unraisablehook is self._unraisable:
             sys.unraisablehook = self.hook
             self.hook = None
+        # else a hook installed since (the checkpoint reader's filter) wraps this one: it stays, and this
+        # one passes everything on from now
 
 
 class Preemption:

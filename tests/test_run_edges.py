@@ -151,6 +151,32 @@ def test_a_swallowed_ctrl_c_during_start_up_still_stops_it():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_start_up_signals_keep_a_hook_installed_while_they_were_open():
+    """The checkpoint reader installs its "Event loop is closed" filter during start-up (a restore);
+    closing the start-up handlers must not drop it (that let tensorstore's tracebacks through)."""
+    from jaxpar.checkpoint import _drop_closed_loop_reports
+    from jaxpar.faults import StartUpSignals
+
+    seen, before = [], sys.unraisablehook
+    sys.unraisablehook = lambda u: seen.append(type(u.exc_value).__name__)
+    try:
+        signals = StartUpSignals()
+        _drop_closed_loop_reports()
+        signals.close()
+
+        class U:
+            def __init__(self, exc):
+                self.exc_value, self.exc_type, self.exc_traceback = exc, type(exc), None
+                self.object = self.err_msg = None
+
+        sys.unraisablehook(U(RuntimeError("Event loop is closed")))  # the filter drops it
+        sys.unraisablehook(U(ValueError("other")))  # everything else reaches the earlier hook
+        sys.unraisablehook(U(KeyboardInterrupt()))  # after start-up no longer swallowed by the closed one
+        assert seen == ["ValueError", "KeyboardInterrupt"]
+    finally:
+        sys.unraisablehook = before
+
+
 def _loaded(pid: int, library: str) -> bool:
     try:
         return library in Path(f"/proc/{pid}/maps").read_text()
