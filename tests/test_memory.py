@@ -1,4 +1,5 @@
-"""Per-device memory of the compiled step: what ZeRO-3 and tensor parallelism save."""
+"""Per-device memory of the compiled step and of the live train state: what ZeRO-1, ZeRO-3 (over data, expert
+and seq), tensor, expert and pipeline parallelism save, against counts written by hand from the model's dims."""
 
 import jax
 import numpy as np
@@ -45,41 +46,97 @@ def test_tensor8_matrices_are_an_eighth():
         assert mem["argument_size"] < whole / 4  # vectors and positions replicated, matrices / 8
 
 
-def _live_bytes(state, which):
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state[which]))
+# The tiny llama of tests/helpers.py: L = 2 layers, d = 64, H = KV = 8 heads of hd = 8 (H hd = d), SwiGLU
+# d_ff = 128, vocabulary 250 padded to V = 256 (model.vocab_multiple = 128); the MoE variant has E = 4
+# experts of the same d_ff in place of the MLP. Element counts by kind of weight, written from those dims:
+D, FF, V, E = 64, 128, 256, 4
 
 
-def _formula(t):
-    """fp32 Adam: 4 bytes of parameter per weight over the shards its parameter layout splits it
-    into, 8 bytes of moments over the optimizer layout's (gradients, transient, as the optimizer's)."""
-    sizes = t.sizes
-
-    def shards(spec):
-        return int(np.prod([sizes[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e)]))
-
-    p = o = 0.0
-    for (a, ax) in _leaves(t):
-        n = int(np.prod(a.shape))
-        p += 4 * n / shards(t.rules.params.spec(ax, a.shape))
-        o += 8 * n / shards(t.rules.opt.spec(ax, a.shape))
-    return p, o
+def _elements(layers: int, moe: bool) -> dict:
+    attn = 3 * D * D + D * D  # QKV [d, KV, 3, hd] and out-projection [H, hd, d]
+    return {"layer_matrix": layers * (attn + (0 if moe else 3 * D * FF)),  # + gate/up [d, 2, ff], down [ff, d]
+            "router": layers * D * E if moe else 0,
+            "experts": layers * E * 3 * D * FF if moe else 0,  # w_in [E, d, 2, ff], w_out [E, ff, d]
+            "layer_norm": layers * 2 * D, "final_norm": D, "table": 2 * V * D}  # embedding [V, d], head [d, V]
 
 
-@pytest.mark.parametrize("layout", [
-    dict(parallel__data=8), dict(parallel__data=8, parallel__zero=1), dict(parallel__data=8, parallel__zero=3),
-    dict(parallel__tensor=8), dict(parallel__data=2, parallel__seq=2, parallel__tensor=2, parallel__zero=1),
-    dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, model__n_layers=4),
-    dict(model__arch="moe", moe__n_experts=4, parallel__data=2, parallel__expert=4, parallel__zero=3)],
-    ids=["dp8", "zero1", "zero3", "tensor8", "data2-seq2-tensor2-zero1", "pipe2-data4-zero1", "moe-data2-expert4-zero3"])
-def test_state_bytes_per_device_match_the_formula(layout):
-    """The live arrays' per-device bytes of parameters and Adam moments equal the formula (4 + 8
-    bytes per weight over the shards that hold it) within 5%; nothing is silently replicated."""
-    t = trainer(config("llama", **layout))
+def _kind(path: str) -> str:
+    """The kind of a parameter (or of its Adam moment) from its name in the model, not from its logical axes."""
+    for key, kind in (("norm_f", "final_norm"), ("norm", "layer_norm"), ("router", "router"), ("w_in", "experts"),
+                      ("w_out", "experts"), ("'embed'", "table"), ("'head'", "table")):
+        if key in path:
+            return kind
+    assert path.startswith("['blocks']") or ".mu['blocks']" in path or ".nu['blocks']" in path, path
+    return "layer_matrix"
+
+
+# Per layout, hand-written from its device counts: (parameter, Adam moment) divisors of each kind of weight,
+# i.e. the number of devices that share one copy of it. Norm scales (d_model long, but no matrix) are never
+# split (the design keeps them whole: they are tiny), except over the pipeline's stages. ZeRO splits every
+# d_model dim of a matrix over all the axes that split the batch (data, expert, seq): ZeRO-1 the optimizer
+# state only, ZeRO-3 the parameters too; an expert weight's experts dim is on expert already, so its d_model
+# goes over data x seq. Tensor splits the attention / MLP matrices (heads, d_ff) and the embedding / head
+# (vocabulary), never the router.
+WHOLE = (1, 1)
+HAND = {
+    "dp8": ("llama", dict(parallel__data=8), dict(layer_matrix=WHOLE, table=WHOLE)),
+    "zero1-data8": ("llama", dict(parallel__data=8, parallel__zero=1),
+                    dict(layer_matrix=(1, 8), table=(1, 8))),
+    "zero3-data8": ("llama", dict(parallel__data=8, parallel__zero=3), dict(layer_matrix=(8, 8), table=(8, 8))),
+    "tensor8": ("llama", dict(parallel__tensor=8), dict(layer_matrix=(8, 8), table=(8, 8))),
+    # ZeRO-1 over data=2 x seq=2: moments / 4, and / 8 with tensor=2 on every matrix; parameters / 2 (tensor)
+    "zero1-data2-seq2-tensor2": ("llama", dict(parallel__data=2, parallel__seq=2, parallel__tensor=2,
+                                               parallel__zero=1), dict(layer_matrix=(2, 8), table=(2, 8))),
+    "zero3-data2-seq4": ("llama", dict(parallel__data=2, parallel__seq=4, parallel__zero=3),
+                         dict(layer_matrix=(8, 8), table=(8, 8))),
+    "zero1-seq4": ("llama", dict(parallel__seq=4, parallel__zero=1), dict(layer_matrix=(1, 4), table=(1, 4))),
+    "zero3-seq8": ("llama", dict(parallel__seq=8, parallel__zero=3), dict(layer_matrix=(8, 8), table=(8, 8))),
+    # 4 layers on pipe=2: every stacked weight / 2 (its stage); the embedding / head live on all stages
+    "zero1-pipe2-data4": ("llama", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, model__n_layers=4),
+                          dict(layer_matrix=(2, 8), layer_norm=(2, 2), table=(1, 4))),
+    "moe-zero3-data2-expert4": ("llama", dict(model__arch="moe", moe__n_experts=E, parallel__data=2,
+                                              parallel__expert=4, parallel__zero=3),
+                                dict(layer_matrix=(8, 8), router=(8, 8), experts=(8, 8), table=(8, 8))),
+    "moe-zero1-data2-expert2-seq2": ("llama", dict(model__arch="moe", moe__n_experts=E, parallel__data=2,
+                                                   parallel__expert=2, parallel__seq=2, parallel__zero=1),
+                                     dict(layer_matrix=(1, 8), router=(1, 8), experts=(2, 8), table=(1, 8))),
+    # experts: expert=2 x tensor=2 (d_ff) x data=2 (ZeRO-3); the router: data x expert only
+    "moe-zero3-data2-expert2-tensor2": ("llama", dict(model__arch="moe", moe__n_experts=E, parallel__data=2,
+                                                      parallel__expert=2, parallel__tensor=2, parallel__zero=3),
+                                        dict(layer_matrix=(8, 8), router=(4, 4), experts=(8, 8), table=(8, 8))),
+}
+
+
+def _per_device_by_kind(tree) -> dict:
+    """Bytes of one device's shards of the arrays of ``tree`` (scalars, i.e. step counters, left out) by kind."""
+    out: dict = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if x.ndim:
+            k = _kind(jax.tree_util.keystr(path))
+            out[k] = out.get(k, 0) + x.addressable_shards[0].data.nbytes
+    return out
+
+
+@pytest.mark.parametrize("name", list(HAND))
+def test_state_bytes_per_device_match_a_hand_count(name):
+    """The live arrays' per-device bytes of parameters (4 per weight) and Adam moments (8 per weight), kind of
+    weight by kind, equal the hand-written split of each layout (``HAND``), exactly: a ZeRO-1 that stops
+    splitting the optimizer state, a ZeRO that skips ``seq`` or ``expert``, a tensor split that misses a matrix,
+    or a norm scale split where it cannot be, each changes one of these numbers."""
+    style, layout, split = HAND[name]
+    t = trainer(config(style, **layout))
+    n = _elements(t.cfg.model.n_layers, t.cfg.model.arch == "moe")
+    shapes: dict = {}
+    for path, a in jax.tree_util.tree_flatten_with_path(t.adapter.abstract)[0]:
+        k = _kind(jax.tree_util.keystr(path))
+        shapes[k] = shapes.get(k, 0) + int(np.prod(a.shape))
+    assert shapes == {k: v for k, v in n.items() if v}, (shapes, n)  # the hand element counts are the model's
+    want_p = {k: F32 * v // split.get(k, WHOLE)[0] for k, v in n.items() if v}
+    want_o = {k: 2 * F32 * v // split.get(k, WHOLE)[1] for k, v in n.items() if v}
     state = t.init_state()
-    p, o = _formula(t)
-    got_p, got_o = _live_bytes(state, "params"), _live_bytes(state, "opt")
-    print(f"{layout}: params {got_p} B (formula {p:.0f}), optimizer {got_o} B (formula {o:.0f})")
-    assert abs(got_p / p - 1) <= 0.05 and abs(got_o / o - 1) <= 0.05
+    got_p, got_o = _per_device_by_kind(state["params"]), _per_device_by_kind(state["opt"])
+    print(f"{name}: params {got_p}\n  hand {want_p}\n  moments {got_o}\n  hand {want_o}")
+    assert got_p == want_p and got_o == want_o
 
 
 def test_zero3_splits_dense_weights_over_data_and_expert():
