@@ -303,6 +303,14 @@ def _loss_grads(cfg):
     return r["loss"], r["aux"], r["grads"], jax.device_get(r["state"]["params"])
 
 
+def _one_device_moe():
+    """``(loss, aux, grads, params)`` of the MoE model (``MOE``, gpt2) on one device at init, batch 0 (cached)."""
+    key = ("gpt2", ())
+    if key not in _REF:
+        _REF[key] = _loss_grads(config("gpt2", **MOE))
+    return _REF[key]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_model_matches_single_device(layout):
     """Capacity factor 4 = E/k: capacity = all tokens of a group, nothing drops, so grouping by
@@ -310,7 +318,7 @@ def test_moe_model_matches_single_device(layout):
     style, over = LAYOUTS[layout]
     model = {k: v for k, v in over.items() if not k.startswith("parallel__")}  # the same model on one device
     key = (style, tuple(sorted(model.items())))
-    if key not in _REF:
+    if key not in _REF:  # (the same key as _one_device_moe's for data2_expert4)
         _REF[key] = _loss_grads(config(style, **MOE, **model))
     ref = _REF[key]
     got = _loss_grads(config(style, **MOE, **over))
@@ -321,6 +329,48 @@ def test_moe_model_matches_single_device(layout):
         assert rel_err(got[1][key], ref[1][key]) <= 1e-5, key
     assert_trees_close(got[2], ref[2], 1e-5, "grads ")
     assert float(ref[0]) > float(ref[1]["ce_loss"])  # the router losses are part of the loss
+
+
+def _cross_entropy(logits, targets, vocab: int) -> float:
+    """Mean next-token cross-entropy of float logits ``[B, T, >= vocab]`` (padding columns cut), in float64."""
+    z = np.asarray(logits, np.float64)[..., :vocab]
+    lse = np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1)) + z.max(-1)
+    return float(np.mean(lse - np.take_along_axis(z, np.asarray(targets)[..., None], -1)[..., 0]))
+
+
+def test_moe_evaluation_is_one_device_cross_entropy_and_changes_no_state():
+    """The validation loss of an MoE model on data=2 x expert=4 (experts split), router losses at their
+    defaults and auxiliary-loss-free balancing on, after one training step (so the routing bias, a parameter no
+    gradient moves, is nonzero and chooses the experts): :class:`~jaxpar.metrics.EvalHook` (train.py's
+    validation, ``Trainer.eval_loss`` per batch) reports the mean cross-entropy of one device's logits for the same
+    parameters, computed here in float64 (no router loss in it; capacity E/k: nothing drops). Evaluating leaves the
+    parameters bit-identical and alive (not donated): evaluating twice gives the same value, and the next
+    training step equals the one of a run that never evaluated."""
+    from jaxpar.metrics import EvalHook
+
+    model = dict(MOE, moe__bias_update_rate=0.01, train__warmup_steps=0)
+    cfg = config("gpt2", **model, parallel__data=2, parallel__expert=4)
+    assert (cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight) == (0.01, 0.001)  # the defaults: on
+    t = trainer(cfg)
+    bs = batches(cfg, 4)  # batches 0, 1 train; 2, 3 validate
+    state, _ = t.step(t.init_state(), t.place_batch(bs[0]))
+    params = jax.device_get(state["params"])
+    bias = params["blocks"]["moe"]["mlp"]["router_bias"]  # [MoE layers, E]: +-rate, 0 at exactly the mean load
+    assert np.all(np.isin(bias, np.float32([-0.01, 0, 0.01]))) and np.count_nonzero(bias) > bias.size // 2
+    hook = EvalHook(None, t, bs[2:], every=1)
+    val = hook.evaluate(state["params"])
+    assert hook.evaluate(state["params"]) == val
+    assert_trees_close(jax.device_get(state["params"]), params, 0.0, "params after evaluation ")
+
+    one = trainer(config("gpt2", **model))
+    placed = jax.device_put(params, one.state_shardings["params"])
+    ref = np.mean([_cross_entropy(one.logits(placed, jnp.asarray(b["inputs"])), b["targets"], cfg.model.vocab_size)
+                   for b in bs[2:]])
+    assert rel_err(val, ref) <= 1e-5, (val, ref)
+
+    after_eval, _ = t.step(state, t.place_batch(bs[1]))
+    plain, _ = t.step(t.step(t.init_state(), t.place_batch(bs[0]))[0], t.place_batch(bs[1]))
+    assert_trees_close(jax.device_get(after_eval["params"]), jax.device_get(plain["params"]), 0.0, "next step ")
 
 
 # --- the compiled step: all-to-alls over `expert` of the capacity formula's size ------------------
@@ -370,6 +420,16 @@ def test_run_writes_moe_metrics(tmp_path):
             assert isinstance(r[key], float)
         assert 0.5 < r["moe_aux_loss"] < 2.0  # E sum_i f_i P_i: 1 when balanced
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    # step 0's record against one device at initialisation on batch 0 (the synthetic source's first): the loss
+    # (cross-entropy + the default-weighted router losses), the router metrics, and grad_norm, the float64 norm of
+    # one device's gradients (before clipping); lr by hand: warm-up from 0 over 1 step, then the peak
+    ref = _one_device_moe()
+    for key in ("loss", "ce_loss", "moe_aux_loss", "moe_z_loss", "moe_expert_load"):
+        assert rel_err(recs[0][key], ref[0] if key == "loss" else ref[1][key]) <= 1e-5, key
+    assert recs[0]["moe_drop_fraction"] == 0.0
+    norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(ref[2])))
+    assert rel_err(recs[0]["grad_norm"], norm) <= 1e-5, (recs[0]["grad_norm"], norm)
+    assert [r["lr"] for r in recs] == [0.0, pytest.approx(cfg.train.lr, rel=1e-6)]
 
     # its final checkpoint reads onto another expert layout: the same values, this layout's shardings
     from jaxpar.checkpoint import Checkpointer
@@ -503,7 +563,7 @@ def test_sorted_dispatch_computes_the_routed_tokens_only():
     for dispatch in ("sorted", "capacity"):
         m = MoE(d, f, e, k, dropless=True, dispatch=dispatch, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(m)
-        compiled = jax.jit(lambda s, x: nnx.merge(graphdef, s).apply(x)[0]).lower(state, x).compile()
+        compiled = jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s).apply(x)[0]).lower(state, x).compile()
         flops = matmul_flops(compiled.as_text()) - router
         out[dispatch] = (flops, compiled.memory_analysis().temp_size_in_bytes)
     print(f"expert flops: sorted {out['sorted'][0]:.3g} ({out['sorted'][0] / useful:.2f}x of k x tokens x FFN), "

@@ -271,7 +271,8 @@ def test_schedule_chart(tmp_path):
 
 @pytest.mark.parametrize("layout, needle", [
     (dict(model__n_layers=3, parallel__pipe=2), "model.n_layers=3 is not divisible by parallel.pipe"),
-    (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=4), "not divisible by parallel.pipe x parallel.pipeline_repeats"),
+    (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=4),
+     "not divisible by parallel.pipe x parallel.pipeline_repeats"),
     (dict(**L4, parallel__pipe=4, parallel__microbatches=2), "parallel.microbatches=2 is fewer than the 4"),
     (dict(**L4, parallel__pipe=2, parallel__microbatches=3), "must split into parallel.microbatches=3"),
     (dict(**L4, parallel__pipe=2, parallel__data=4, parallel__microbatches=8), "each divisible by the batch-parallel"),
@@ -280,10 +281,142 @@ def test_schedule_chart(tmp_path):
           parallel__pipeline_schedule="1f1b"), "needs parallel.microbatches to be a multiple of parallel.pipe=2"),
     (dict(**L4, model__arch="moe", moe__every=2, parallel__pipe=2, parallel__pipeline_repeats=2),
      "moe.every=2 = 2 stacked layer groups is not divisible by parallel.pipe x parallel.pipeline_repeats = 4"),
-    (dict(**L4, parallel__pipeline_schedule="1f1b"), "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
+    (dict(**L4, parallel__pipeline_schedule="1f1b"),
+     "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
     (dict(**L4, parallel__pipe=2, parallel__pipeline_schedule="pipedream"), "parallel.pipeline_schedule"),
 ])
 def test_bad_pipeline_input(layout, needle):
     with pytest.raises(ConfigError) as e:
         trainer(config("gpt2", **layout))
     assert needle in str(e.value), str(e.value)
+
+
+# --- the router losses on, as in a real run ---------------------------------------------------------
+# A pipeline of M microbatches adds each microbatch's router losses, averaged over the microbatches: the balance
+# loss E sum_i f_i P_i is a product of two batch means, so this is not the whole batch's value. The reference is
+# one device run on each microbatch alone (rows m, m+M, ...: the pipeline's and train.grad_accum's split), its
+# losses, metrics and gradients averaged here by hand.
+MOE_ON = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacity_factor=2.0, moe__d_ff=64)
+MOE6 = dict(model__n_layers=6, **MOE_ON)  # 6 layers: also the circular test's below (one shared reference)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_microbatch_reference(style: str, m: int, **over):
+    """One device, batch 0 cut into ``m`` microbatches run one at a time: ``(loss, aux, grads, params)`` with
+    loss, metrics and gradients the float64 mean over the microbatches, ``params`` the initial ones (layer order)."""
+    cfg = config(style, **over)
+    t = trainer(config(style, **over, train__batch_size=cfg.train.batch_size // m))
+    params = t.init_state()["params"]
+    grads_fn = jax.jit(t.grads)
+    batch = batches(cfg, 1)[0]
+    per_mb = [jax.device_get(grads_fn(params, t.place_batch({k: v[i::m] for k, v in batch.items()})))
+              for i in range(m)]
+    mean = jax.tree.map(lambda *xs: np.mean([np.asarray(x, np.float64) for x in xs], axis=0), *per_mb)
+    return float(mean[0]), mean[1], mean[2], jax.device_get(params)
+
+
+def _check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref):
+    """Loss, MoE metrics and gradients of a pipelined MoE run against :func:`_per_microbatch_reference`; the
+    router losses are on and move the loss by far more than the tolerance."""
+    ref_loss, ref_aux, ref_grads, _ = ref
+    n_moe = cfg.model.n_layers // cfg.moe.every
+    w_aux, w_z = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+    router = n_moe * (w_aux * ref_aux["moe_aux_loss"] + w_z * ref_aux["moe_z_loss"])  # metrics: per-layer means
+    assert abs(ref_loss - ref_aux["ce_loss"] - router) <= 1e-6 * ref_loss
+    assert router > 100 * 1e-5 * ref_loss, router  # the router losses are far above the tolerance
+    assert rel_err(got_loss, ref_loss) <= 1e-5, (got_loss, ref_loss)
+    for key in ("ce_loss", "moe_aux_loss", "moe_z_loss", "moe_expert_load"):
+        assert rel_err(got_aux[key], ref_aux[key]) <= 1e-5, (key, got_aux[key], ref_aux[key])
+    if cfg.moe.capacity_factor >= cfg.moe.n_experts / cfg.moe.top_k:  # capacity E/k: none drop
+        assert float(got_aux["moe_drop_fraction"]) == 0.0 == ref_aux["moe_drop_fraction"]
+    else:  # the same assignments drop: each microbatch is one routing group on both sides
+        assert ref_aux["moe_drop_fraction"] > 0.005 and rel_err(got_aux["moe_drop_fraction"],
+                                                               ref_aux["moe_drop_fraction"]) <= 1e-6
+    # every token's k assignments, per MoE layer and microbatch (a hand count)
+    assert np.sum(got_aux["moe_expert_load"]) == cfg.train.batch_size // cfg.parallel.microbatches \
+        * cfg.model.seq_len * cfg.moe.top_k
+    assert_trees_close(got_grads, ref_grads, 1e-5, "grads ")
+
+
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b", "gpipe_default_capacity"])
+def test_pipelined_moe_with_router_losses_on_matches_one_device_per_microbatch(sched):
+    """MoE through the pipeline (6 layers, pipe=2 x expert=2, M = 4) with the balance and z-losses at their defaults
+    (0.01, 0.001: on, as in a real run; the other pipeline tests weigh them 0): the loss, the reported
+    ``ce_loss``, ``moe_aux_loss``, ``moe_z_loss``, ``moe_expert_load``, ``moe_drop_fraction`` and the
+    gradients equal one device's averaged over the 4 microbatches run one at a time; the evaluation loss
+    (``Trainer.eval_loss``, what the validation hook calls) is the cross-entropy alone, one device's.
+    ``gpipe_default_capacity``: the default capacity factor 1.25 (< E/k: tokens drop, as in a real run; the
+    other pipeline tests never drop) on pipe=2 alone, so that each microbatch is one routing group as on the
+    one device: the same assignments drop (``moe_drop_fraction`` > 0, equal)."""
+    model = dict(MOE6)
+    layout = dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4, parallel__pipeline_schedule=sched)
+    if sched == "gpipe_default_capacity":
+        del model["moe__capacity_factor"], layout["parallel__expert"]
+        layout["parallel__pipeline_schedule"] = "gpipe"
+    cfg = config("gpt2", **model, **layout)
+    assert (cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight) == (0.01, 0.001)  # the defaults
+    assert cfg.moe.capacity_factor == (1.25 if sched == "gpipe_default_capacity" else 2.0)
+    ref = _per_microbatch_reference("gpt2", 4, **model)
+    first = first_step(cfg)
+    _check_moe_against_reference(cfg, first["loss"], first["aux"], first["grads"], ref)
+    if sched == "gpipe":  # (1F1B evaluates with the same program: its loss without gradients is GPipe's)
+        t = first["trainer"]
+        val = float(t.eval_loss(first["state"]["params"], t.place_batch(batches(cfg, 1)[0])))
+        assert rel_err(val, ref[1]["ce_loss"]) <= 1e-5, (val, ref[1]["ce_loss"])
+
+
+# --- a circular storage order that is not its own inverse ---------------------------------------------
+# pipe=2 x pipeline_repeats=2 (every other circular test) stores the layers as [0, 2, 1, 3]: a swap, its own
+# inverse, so code applying the inverse permutation where it should apply the permutation (or the reverse)
+# passes there. pipe=2 x repeats=3 with 6 one-layer groups: stage 0 runs groups 0, 2, 4 and stage 1 groups
+# 1, 3, 5, stored stage-major, so storage position p holds layer ORDER_2x3[p] (by hand, from the schedule
+# in jaxpar/layers/pipeline.py's docstring): a 4-cycle (positions 1 -> 2 -> 4 -> 3 -> 1), not its own inverse.
+ORDER_2x3 = [0, 2, 4, 1, 3, 5]
+INVERSE_2x3 = [0, 3, 1, 4, 2, 5]  # layer i sits at position INVERSE_2x3[i]
+
+
+def _circular_case(case: str):
+    """``(style, model overrides, pipelined layout, microbatches)`` of a circular case."""
+    lay = dict(parallel__pipe=2, parallel__pipeline_repeats=3)
+    if case == "gpipe_circular":  # Gemma 3's switches: local (window 4) and global layers alternate (per-layer values)
+        return "gemma3", dict(model__n_layers=6), dict(lay, parallel__microbatches=2), 2
+    return "gpt2", MOE6, dict(lay, parallel__expert=2, parallel__microbatches=4, parallel__pipeline_schedule="1f1b"), 4
+
+
+@pytest.mark.parametrize("case", ["gpipe_circular", "interleaved_1f1b_moe"])
+def test_circular_pipeline_whose_storage_order_is_not_its_own_inverse(case):
+    """pipe=2 x pipeline_repeats=3, 6 layers (groups of one): the GPipe-circular schedule (M = 2) on Gemma 3's
+    switches (local and global layers alternate: the per-layer windows must follow the layers into storage
+    order), and interleaved 1F1B (M = 4) on the MoE model with its router losses on. The storage order is the
+    hand-made ORDER_2x3, which differs from its inverse (a 4-cycle of positions; pipe=2 x repeats=2's
+    [0, 2, 1, 3] is a swap, its own inverse, so a permutation applied the wrong way round passes there). The
+    loss and the gradients (put back in layer order by hand) equal one device's (MoE: averaged over the
+    microbatches run alone); the initial parameters, in storage order and brought back to layer order as
+    checkpoints hold them (``state_to_layer_order``), are one device's exactly."""
+    assert ORDER_2x3 != INVERSE_2x3 and [ORDER_2x3[i] for i in INVERSE_2x3] == list(range(6))
+    style, model, layout, m = _circular_case(case)
+    cfg = config(style, **model, **layout)
+    if case == "gpipe_circular":
+        windows = cfg.model.layer_windows()
+        assert windows == [4, 0] * 3 and [windows[p] for p in ORDER_2x3] != [windows[p] for p in INVERSE_2x3]
+        first = first_step(config(style, **model))
+        ref = first["loss"], None, first["grads"], jax.device_get(first["state"]["params"])
+    else:
+        ref = _per_microbatch_reference(style, m, **model)
+    got = first_step(cfg)
+    t = got["trainer"]
+    assert list(stage_major_order(6, 2, 3)) == ORDER_2x3 and list(t.layer_order(6)) == ORDER_2x3
+
+    def layer_order(tree):  # storage -> layer order, by the hand-made permutation
+        return jax.tree.map(lambda a, ax: np.asarray(a)[INVERSE_2x3] if ax[:1] == ("layers",) else a, tree,
+                            t.adapter.axes, is_leaf=lambda x: isinstance(x, np.ndarray))
+
+    grads = layer_order(got["grads"])
+    if case == "gpipe_circular":
+        assert rel_err(got["loss"], ref[0]) <= 1e-5, (got["loss"], ref[0])
+        assert_trees_close(grads, ref[2], 1e-5, "grads ")
+    else:
+        _check_moe_against_reference(cfg, got["loss"], got["aux"], grads, ref)
+    assert_trees_close(layer_order(jax.device_get(got["state"]["params"])), ref[3], 0.0, "stored params ")
+    assert_trees_close(jax.device_get(t.state_to_layer_order(got["state"])["params"]), ref[3], 0.0,
+                       "checkpointed params ")
