@@ -1,0 +1,162 @@
+"""tools/mutate.py, the mutation-testing harness: every mutant of tools/mutants.py still applies to the code
+(so that code drift making a mutant stale fails here, not in a release run), and the harness's logic on a toy
+git repository with a hand-written outcome for each mutant (no jaxpar test runs)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "mutate.py"
+
+
+def _tool(*args, cwd=ROOT, timeout=120):
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_mutant_applies_exactly_once_and_each_mechanism_has_three():
+    """``--check``: each mutant's ``old`` snippet occurs exactly once in its file and the mutated file compiles;
+    the list covers each mechanism with at least three mutants that are not equivalent; ``--list`` names them
+    all."""
+    p = _tool("--check")
+    assert p.returncode == 0, p.stdout + p.stderr
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import mutants
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for mech in mutants.MECHANISMS:
+        real = [m for m in mutants.MUTANTS if m.mechanism == mech and not m.equivalent]
+        assert len(real) >= 3, (mech, [m.id for m in real])
+    listed = _tool("--list").stdout
+    assert all(m.id in listed for m in mutants.MUTANTS)
+
+
+TOY = {
+    "pytest.ini": "[pytest]\ntestpaths = tests\n",
+    "pkg/__init__.py": "",
+    "pkg/mathy.py": textwrap.dedent('''\
+        LIMIT = 10
+
+
+        def add(a, b):
+            return a + b
+
+
+        def clamp(x):
+            return min(x, LIMIT)
+
+
+        def untested(x):
+            return 2 * x
+
+
+        def slow(n):
+            return n
+        '''),
+    "tests/test_mathy.py": textwrap.dedent('''\
+        import pkg
+        from pkg.mathy import add, clamp, slow
+
+
+        def test_add():
+            assert add(2, 3) == 5
+
+
+        def test_clamp():
+            assert clamp(3) == 3 and clamp(30) == 10
+
+
+        def test_slow():
+            assert slow(1) == 1
+
+
+        def test_runs_the_scratch_copy():
+            import os
+            assert os.environ["JAXPAR_MUTATE_SOURCE"] not in pkg.__file__
+        '''),
+}
+
+TOY_MUTANTS = textwrap.dedent('''\
+    PROBE = ("pkg.mathy",)
+    MECHANISMS = {"arith": "adding", "limits": "clamping", "loops": "looping"}
+    F = "pkg/mathy.py"
+    MUTANTS = [
+        dict(id="add-minus", mechanism="arith", file=F, old="return a + b", new="return a - b",
+             tests=["tests/test_mathy.py::test_add"]),
+        dict(id="untested-triple", mechanism="arith", file=F, old="return 2 * x", new="return 3 * x",
+             tests=["tests/test_mathy.py::test_add"], note="nothing calls untested()"),
+        dict(id="clamp-max", mechanism="limits", file=F, old="min(x, LIMIT)", new="max(x, LIMIT)",
+             tests=["tests/test_mathy.py", "-k", "clamp"]),
+        dict(id="clamp-swapped", mechanism="limits", file=F, old="min(x, LIMIT)", new="min(LIMIT, x)",
+             tests=["tests/test_mathy.py::test_clamp"], equivalent="min is symmetric"),
+        dict(id="limit-undefined", mechanism="limits", file=F, old="LIMIT = 10", new="LIMIT = LIMITS",
+             tests=["tests/test_mathy.py::test_clamp"]),
+        dict(id="slow-forever", mechanism="loops", file=F, old="    return n", new="    while True: pass",
+             tests=["tests/test_mathy.py::test_slow"]),
+        dict(id="gone", mechanism="arith", file=F, old="return a * b", new="return a / b",
+             tests=["tests/test_mathy.py::test_add"]),
+        dict(id="old-test-id", mechanism="arith", file=F, old="a + b", new="b + a",
+             tests=["tests/test_mathy.py::test_renamed"]),
+    ]
+    ''')
+
+
+def _toy(tmp_path: Path) -> Path:
+    repo = tmp_path / "toy"
+    for name, text in TOY.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    (tmp_path / "mutants.py").write_text(TOY_MUTANTS)
+    return repo
+
+
+def test_harness_outcomes_on_a_toy_repository(tmp_path):
+    """Run in scratch copies (2 workers): a caught bug is killed, an untested one survives (with its note), an
+    equivalent one survives and stays out of the rate, a module that no longer imports is an import error, a
+    stale snippet is refused by name (exit 1), a renamed test an error; the kill rate is 2 of 3 decided
+    mutants (clamp-max and add-minus killed, untested-triple survived). An endless loop is a timeout (its
+    process killed). The toy repository's own file is left unmutated."""
+    repo = _toy(tmp_path)
+    original = (repo / "pkg/mathy.py").read_text()
+    out = tmp_path / "results.json"
+    run = ("--repo", str(repo), "--mutants", str(tmp_path / "mutants.py"))
+    p = _tool(*run, "--only", "arith,limits", "-j", "2", "--timeout", "120", "--json", str(out), cwd=tmp_path)
+    assert p.returncode == 1, p.stdout + p.stderr  # the stale mutant
+    status = {r["id"]: r["status"] for r in json.loads(out.read_text())["results"]}
+    assert status == {"add-minus": "killed", "untested-triple": "survived", "clamp-max": "killed",
+                      "clamp-swapped": "survived", "limit-undefined": "import-error", "gone": "stale",
+                      "old-test-id": "error"}, status
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["killed"], summary["survived"], round(summary["rate"], 4)) == (2, 1, round(2 / 3, 4))
+    assert summary["by_mechanism"]["limits"]["rate"] == 1.0 and summary["equivalent"] == 1
+    assert "stale mutant gone: its `old` snippet occurs 0 times in pkg/mathy.py" in p.stdout
+    assert "kill rate: 2 killed of 3 decided non-equivalent mutants = 67%" in p.stdout
+    assert "untested-triple (arith, pkg/mathy.py): nothing calls untested()" in p.stdout
+    assert "clamp-swapped: min is symmetric [survived, as argued]" in p.stdout
+    p = _tool(*run, "--ids", "slow-forever", "--timeout", "3", "--json", str(out), cwd=tmp_path)
+    assert p.returncode == 0 and [r["status"] for r in json.loads(out.read_text())["results"]] == ["timeout"]
+    assert (repo / "pkg/mathy.py").read_text() == original
+
+
+def test_check_refuses_stale_and_non_compiling_mutants_and_selection_errors(tmp_path):
+    """``--check`` names each stale mutant and each that would not compile (exit 1); ``--only`` and ``--ids``
+    with unknown names are usage errors (exit 2); ``--only`` selects by mechanism."""
+    repo = _toy(tmp_path)
+    extra = tmp_path / "mutants.py"
+    extra.write_text(TOY_MUTANTS.replace("\n]\n", '\n    dict(id="syntax", mechanism="arith", file=F, '
+                                         'old="return a + b", new="return a +", tests=["x"]),\n]\n'))
+    p = _tool("--repo", str(repo), "--mutants", str(extra), "--check", cwd=tmp_path)
+    assert p.returncode == 1
+    assert "stale mutant gone" in p.stdout and "mutant syntax: the mutated pkg/mathy.py does not compile" in p.stdout
+    p = _tool("--repo", str(repo), "--mutants", str(extra), "--only", "nope", "--list", cwd=tmp_path)
+    assert p.returncode == 2 and "--only nope: no such mechanism; choose among arith, limits" in p.stderr
+    p = _tool("--repo", str(repo), "--mutants", str(extra), "--ids", "add-minus,nope", cwd=tmp_path)
+    assert p.returncode == 2 and "--ids: no mutant nope" in p.stderr
+    listed = _tool("--repo", str(repo), "--mutants", str(extra), "--only", "limits", "--list", cwd=tmp_path).stdout
+    assert "clamp-max" in listed and "add-minus" not in listed
