@@ -1,7 +1,6 @@
 """Tests run on 8 simulated XLA CPU devices (set before JAX starts its backend)."""
 
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -11,15 +10,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxpar's data cache (tokenizers, token stores of text sources): one per machine in the temp folder, shared
 # by the tests and their subprocesses, never the user's ~/.cache/jaxpar
 os.environ.setdefault("JAXPAR_CACHE", os.path.join(tempfile.gettempdir(), "jaxpar-test-cache"))
-
-# The tests compile hundreds of small programs and run each a few steps: LLVM's optimisation of the CPU
-# code costs more than it saves there (about half of the suite's CPU time). XLA's HLO passes are unchanged,
-# and with them the collectives, buffer sizes and numerics the tests check. Subprocesses of the tests inherit
-# the flags; the benchmarks' tests, which measure speed, run without them. A device count forced through
-# XLA_FLAGS is dropped: the tests set theirs with JAX_NUM_CPU_DEVICES.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-_flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-os.environ["XLA_FLAGS"] = f"{_flags} {TEST_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402
 

@@ -155,7 +155,7 @@ def assert_params_close(a, b, what: str = "params "):
 def run_script(script: str, devices: int, done: str, timeout: int = 900) -> str:
     """Run ``script`` (which may import these helpers) in a fresh process with ``devices`` simulated
     CPU devices; assert it exits 0 printing ``done``; returns its output."""
-    env = dict(os.environ)  # XLA_FLAGS: the tests' (tests/conftest.py)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
     tests = Path(__file__).resolve().parent
     p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tests)!r})\n" + script],

@@ -16,7 +16,7 @@ SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab
 
 
 def train(*args, check=True):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES",)}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=600)
@@ -78,7 +78,7 @@ def test_shakespeare_run_writes_everything(tmp_path):
     assert sample.startswith("ROMEO:")
     assert "--- sample" in p.stdout and "tokenizer bpe with 300 ids" in p.stdout
     assert list((tmp_path / "cache").glob("bpe-v300-*.tokenizer.json"))
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES",)}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     g = subprocess.run([sys.executable, "-m", "jaxpar.generate", str(out), "--prompt", "ROMEO:\n", "--prompt",
                         "JULIET:\nO", "--tokens", "12", "parallel.data=1", "parallel.tensor=1"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)

@@ -33,7 +33,7 @@ ARGS = ["data.source=tokens", f"data.path={token_store()}", "model.n_layers=2", 
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES",)}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -489,7 +489,7 @@ def test_deepseek_style_config_trains_through_train_py(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES",)}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
     env["JAX_PLATFORMS"] = "cpu"
     over = ["data.source=synthetic", "model.seq_len=32", "train.batch_size=16", "train.steps=6", "train.log_every=1",
             "train.warmup_steps=1", "sample.tokens=0", "checkpoint.enabled=false", f"train.out_dir={tmp_path}",
