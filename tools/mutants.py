@@ -18,8 +18,6 @@ Keep each ``old`` as short as uniqueness allows, so that unrelated edits do not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 # Modules that must import from the scratch copy when the mutants run (checked before any mutant runs).
 PROBE = ("jaxpar", "jaxpar.models")
 
@@ -44,22 +42,11 @@ MECHANISMS = {
 }
 
 
-@dataclass(frozen=True)
-class Mutant:
-    id: str
-    mechanism: str
-    file: str
-    old: str
-    new: str
-    tests: tuple[str, ...]
-    equivalent: str | None = None
-    note: str | None = None
-
-
 def M(id: str, mechanism: str, file: str, old: str, new: str, tests, equivalent: str | None = None,
-      note: str | None = None) -> Mutant:
-    return Mutant(id, mechanism, file, old, new, (tests,) if isinstance(tests, str) else tuple(tests), equivalent,
-                  note)
+      note: str | None = None) -> dict:
+    """One entry (``tools/mutate.py`` makes its ``Mutant`` of it)."""
+    return dict(id=id, mechanism=mechanism, file=file, old=old, new=new, tests=tests, equivalent=equivalent,
+                note=note)
 
 
 LOSS = "jaxpar/layers/loss.py"
