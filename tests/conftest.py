@@ -1,5 +1,6 @@
 """Tests run on 8 simulated XLA CPU devices (set before JAX starts its backend)."""
 
+import json
 import os
 import sys
 import tempfile
@@ -10,6 +11,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxpar's data cache (tokenizers, token stores of text sources): one per machine in the temp folder, shared
 # by the tests and their subprocesses, never the user's ~/.cache/jaxpar
 os.environ.setdefault("JAXPAR_CACHE", os.path.join(tempfile.gettempdir(), "jaxpar-test-cache"))
+
+# The tests compile hundreds of small programs and run each a few steps: LLVM's optimisation of the CPU code
+# costs more than it saves there (about half of the suite's time). XLA's HLO passes are unchanged, and with
+# them the collectives, buffer sizes and numerics the tests check. Subprocesses that copy this environment
+# inherit the flags; flags of the user's XLA_FLAGS come first (a repeated flag: XLA takes the last).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402
 
@@ -25,7 +34,32 @@ FIRST = ("test_five_axes.py", "test_faults.py", "test_pipeline.py")
 LAST = ("test_hf.py",)
 
 
+# The quick tier (-m "not slow", DEVELOPERS.md): a test is slow when it took more than SLOW_SECONDS in the last
+# full run (tests/durations.json, made by tools/tiers.py from a --durations=0 report) or is marked so by hand.
+SLOW_SECONDS = 3.5
+DURATIONS = json.loads((Path(__file__).resolve().parent / "durations.json").read_text())
+# ... except these: each mechanism keeps a quick test whose expectation is independent of the code (one device,
+# numpy), where its cheaper tests are all consistency checks (DEVELOPERS.md, section 4)
+QUICK = {
+    "tests/test_pipeline.py::test_loss_and_grads_match_single_device[gpt2-pipe=2-pipeline_schedule=1f1b]",
+    # gradient accumulation (and ZeRO-1) under 1F1B
+    "tests/test_pipeline.py::test_loss_and_grads_match_single_device[llama_gqa-pipe=2-data=4-zero=1-d_accum=2-"
+    "pipeline_schedule=1f1b]",
+    "tests/test_sequence.py::test_loss_and_grads_match_single_device[llama_gqa-tensor=4-data=2-megatron_sp=True]",
+    "tests/test_moe.py::test_expert_parallel_rounds_equal_one_device_under_skewed_routing",
+    "tests/test_moe.py::test_balance_loss_is_hf_mixtral_over_top_k_for_one_layer",
+    "tests/test_untested_configs.py::test_adamw_steps_with_clipping_and_weight_decay_against_numpy",
+    "tests/test_faults.py::test_a_failed_save_is_one_line_and_the_newest_checkpoint_stays",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        if DURATIONS.get(item.nodeid, 0.0) > SLOW_SECONDS and item.nodeid not in QUICK:
+            item.add_marker(pytest.mark.slow)
+
     def order(item):
         name = item.path.name
         return FIRST.index(name) if name in FIRST else len(FIRST) + 1 + LAST.index(name) if name in LAST else len(FIRST)

@@ -152,6 +152,44 @@ def assert_params_close(a, b, what: str = "params "):
     assert_trees_close(a, b, 1e-4, what)
 
 
+@functools.lru_cache(maxsize=None)
+def per_microbatch_reference(style: str, m: int, **over):
+    """One device, batch 0 cut into ``m`` microbatches run one at a time: ``(loss, aux, grads, params)`` with
+    loss, metrics and gradients the float64 mean over the microbatches, ``params`` the initial ones (layer order)."""
+    cfg = config(style, **over)
+    t = trainer(config(style, **{**over, "train__batch_size": cfg.train.batch_size // m}))
+    params = t.init_state()["params"]
+    grads_fn = jax.jit(t.grads)
+    batch = batches(cfg, 1)[0]
+    per_mb = [jax.device_get(grads_fn(params, t.place_batch({k: v[i::m] for k, v in batch.items()})))
+              for i in range(m)]
+    mean = jax.tree.map(lambda *xs: np.mean([np.asarray(x, np.float64) for x in xs], axis=0), *per_mb)
+    return float(mean[0]), mean[1], mean[2], jax.device_get(params)
+
+
+def check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref):
+    """Loss, MoE metrics and gradients of a pipelined MoE run against :func:`per_microbatch_reference`; the
+    router losses are on and move the loss by far more than the tolerance."""
+    ref_loss, ref_aux, ref_grads, _ = ref
+    n_moe = cfg.model.n_layers // cfg.moe.every
+    w_aux, w_z = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
+    router = n_moe * (w_aux * ref_aux["moe_aux_loss"] + w_z * ref_aux["moe_z_loss"])  # metrics: per-layer means
+    assert abs(ref_loss - ref_aux["ce_loss"] - router) <= 1e-6 * ref_loss
+    assert router > 100 * 1e-5 * ref_loss, router  # the router losses are far above the tolerance
+    assert rel_err(got_loss, ref_loss) <= 1e-5, (got_loss, ref_loss)
+    for key in ("ce_loss", "moe_aux_loss", "moe_z_loss", "moe_expert_load"):
+        assert rel_err(got_aux[key], ref_aux[key]) <= 1e-5, (key, got_aux[key], ref_aux[key])
+    if cfg.moe.capacity_factor >= cfg.moe.n_experts / cfg.moe.top_k:  # capacity E/k: none drop
+        assert float(got_aux["moe_drop_fraction"]) == 0.0 == ref_aux["moe_drop_fraction"]
+    else:  # the same assignments drop: each microbatch is one routing group on both sides
+        assert ref_aux["moe_drop_fraction"] > 0.005 and rel_err(got_aux["moe_drop_fraction"],
+                                                               ref_aux["moe_drop_fraction"]) <= 1e-6
+    # every token's k assignments, per MoE layer and microbatch (a hand count)
+    assert np.sum(got_aux["moe_expert_load"]) == cfg.train.batch_size // cfg.parallel.microbatches \
+        * cfg.model.seq_len * cfg.moe.top_k
+    assert_trees_close(got_grads, ref_grads, 1e-5, "grads ")
+
+
 def run_script(script: str, devices: int, done: str, timeout: int = 900) -> str:
     """Run ``script`` (which may import these helpers) in a fresh process with ``devices`` simulated
     CPU devices; assert it exits 0 printing ``done``; returns its output."""

@@ -58,8 +58,9 @@ LAYOUTS = {
                                    moe__n_experts=4, moe__shared_experts=1, moe__score="sigmoid")),
     "expert-sp-shared": ("llama", dict(model__arch="moe", parallel__expert=2, parallel__tensor=4,
                                        parallel__megatron_sp=True, moe__n_experts=4, moe__shared_experts=2)),
-    "expert-zero3": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4,
-                                  parallel__zero=3)),
+    # MoE in every other layer (the second of two): the all-to-alls count per MoE layer, not per layer
+    "expert-zero3-every2": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4,
+                                         parallel__zero=3, moe__every=2)),
 }
 
 

@@ -501,6 +501,27 @@ def test_a_step_bigger_than_the_host_is_refused_before_it_allocates(tmp_path, li
     assert not (tmp_path / "run").exists()
 
 
+def test_host_memory_need_is_every_simulated_device_s(monkeypatch):
+    """The host-memory check counts each of the 8 simulated devices' step (they share the host): 1 GiB per
+    device does not fit 6 GiB free (8 GiB needed), and fits 9 GiB; the line names both sizes and the count."""
+    import resource
+    from types import SimpleNamespace
+
+    from jaxpar import faults
+    from jaxpar.run import TrainingError
+
+    mesh = SimpleNamespace(devices=np.array(jax.devices()[:8]))
+    # by hand: 512 MiB arguments + 256 MiB temporaries + 384 MiB outputs - 128 MiB of them donated = 1 GiB
+    report = {"memory": {"argument_size": 1 << 29, "temp_size": 1 << 28, "output_size": 3 << 27,
+                         "alias_size": 1 << 27}}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    monkeypatch.setattr(faults, "host_memory", lambda: (6 << 30, 16 << 30))
+    with pytest.raises(TrainingError, match=r"needs 8\.0 GiB of host memory \(1\.0 GiB on each of the 8 simulated"):
+        faults.check_host_memory(report, mesh)
+    monkeypatch.setattr(faults, "host_memory", lambda: (9 << 30, 16 << 30))
+    faults.check_host_memory(report, mesh)
+
+
 def test_running_out_of_device_memory_in_a_step_is_one_line():
     """Where the device runs out anyway (its own estimate was short): the runtime's error becomes one
     TrainingError line with the step's need, the device's size and the cures."""

@@ -99,6 +99,12 @@ def test_sampling_rules():
     one = jnp.broadcast_to(logits[:1] / 3, (4000, 50))
     counts = np.bincount(np.asarray(pick(one, key, Sampling(1.0))), minlength=50) / 4000
     np.testing.assert_allclose(counts, np.asarray(jax.nn.softmax(logits[0] / 3)), atol=0.03)
+    # ... at temperatures other than 1 too: softmax(logits / T) in float64 numpy (T = 2 flattens, T = 0.5 sharpens)
+    row = np.asarray(logits[0], np.float64) / 3
+    for temp in (2.0, 0.5):
+        counts = np.bincount(np.asarray(pick(one, jax.random.key(7), Sampling(temp))), minlength=50) / 4000
+        want = np.exp(row / temp - (row / temp).max())
+        np.testing.assert_allclose(counts, want / want.sum(), atol=0.03, err_msg=f"temperature {temp}")
     for bad, needle in ((dict(temperature=-1), "temperature=-1"), (dict(top_k=-2), "top_k=-2"),
                         (dict(top_p=0.0), "top_p=0.0")):
         with pytest.raises(ConfigError, match=needle):

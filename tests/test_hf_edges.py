@@ -354,3 +354,21 @@ def test_learned_table_is_max_positions_and_import_keeps_it(tmp_path, tiny):
         load_config(None, [init, "model.max_positions=16", "data.tokenizer=byte"])
     with pytest.raises(ConfigError, match="model.seq_len=64 exceeds the 40 learned positions"):
         load_config(None, [init, "model.seq_len=64", "data.tokenizer=byte"])
+
+
+def test_mixtral_aux_loss_coefficient_maps_through_top_k_over_layers():
+    """Hugging Face pools every layer's routing into one balance term and counts each choice rank apart
+    (top_k x a layer's balance, tests/test_moe.py); jaxpar sums per-layer terms. Mixtral's
+    ``router_aux_loss_coef`` c is therefore ``moe.aux_loss_weight`` = c * top_k / L (hand values: c = 0.02,
+    top-2 of 8, 4 layers -> 0.01), and the export writes the inverse (0.01 -> 0.02)."""
+    cfg = load_config(None, ["model.arch=moe", "model.style=llama", "model.n_layers=4", "model.d_model=32",
+                             "model.n_heads=4", "moe.n_experts=8", "moe.top_k=2", "moe.aux_loss_weight=0.01",
+                             f"model.vocab_size={V}", f"model.seq_len={T}"])
+    exported = hf.hf_config(cfg)
+    assert exported["router_aux_loss_coef"] == pytest.approx(0.02)
+    from jaxpar.hf_config import config_keys
+
+    _, soft = config_keys({**exported, "router_aux_loss_coef": 0.02, "num_hidden_layers": 4, "num_experts_per_tok": 2})
+    assert soft["moe.aux_loss_weight"] == pytest.approx(0.01)
+    _, soft = config_keys({**exported, "router_aux_loss_coef": 0.03, "num_hidden_layers": 6, "num_experts_per_tok": 1})
+    assert soft["moe.aux_loss_weight"] == pytest.approx(0.005)

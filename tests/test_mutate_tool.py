@@ -161,3 +161,35 @@ def test_check_refuses_stale_and_non_compiling_mutants_and_selection_errors(tmp_
     assert p.returncode == 2 and "--ids: no mutant nope" in p.stderr
     listed = _tool("--repo", str(repo), "--mutants", str(extra), "--only", "limits", "--list", cwd=tmp_path).stdout
     assert "clamp-max" in listed and "add-minus" not in listed
+
+
+def test_tiers_read_a_durations_report_and_the_quick_set_names_slow_tests(tmp_path):
+    """tools/tiers.py: a hand-written ``--durations=0`` report (phases of one test summed; a node id with spaces
+    in its parameters kept whole; other lines ignored) becomes tests/durations.json's form; a report without
+    such lines is one error line. conftest's QUICK set names tests of durations.json that are over the
+    threshold (a faster one, or a renamed one, would make the set say nothing)."""
+    report = textwrap.dedent("""\
+        ============================= slowest durations =============================
+        12.50s call     tests/test_a.py::test_one[x-y]
+        3.25s setup    tests/test_a.py::test_one[x-y]
+        0.01s teardown tests/test_a.py::test_one[x-y]
+        4.00s call     tests/test_b.py::test_two[args1-needs --stages (4) and more]
+        (12 durations < 0.005s hidden.  Use -vv to show these durations.)
+        2 passed in 20.00s
+        """)
+    (tmp_path / "full.log").write_text(report)
+    out = tmp_path / "d.json"
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "tiers.py"), str(tmp_path / "full.log"), "--out",
+                        str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(out.read_text()) == {"tests/test_a.py::test_one[x-y]": 15.8,
+                                           "tests/test_b.py::test_two[args1-needs --stages (4) and more]": 4.0}
+    assert "2 tests, 20 s in all" in p.stdout
+    (tmp_path / "empty.log").write_text("3 passed in 1.00s\n")
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "tiers.py"), str(tmp_path / "empty.log")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+    import conftest
+
+    for node in conftest.QUICK:
+        assert conftest.DURATIONS.get(node, 0.0) > conftest.SLOW_SECONDS, node

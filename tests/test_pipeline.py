@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_trees_close, batches, config, first_step, rel_err, trainer
+from helpers import (assert_trees_close, batches, check_moe_against_reference, config, first_step,
+                     per_microbatch_reference, rel_err, trainer)
 from jaxpar.config import ConfigError
 from jaxpar.layers.pipeline import (bubble_fraction, in_flight, schedule, schedule_1f1b, stage_major_order,
                                     stash_slots)
@@ -300,44 +301,6 @@ MOE_ON = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacity_f
 MOE6 = dict(model__n_layers=6, **MOE_ON)  # 6 layers: also the circular test's below (one shared reference)
 
 
-@functools.lru_cache(maxsize=None)
-def _per_microbatch_reference(style: str, m: int, **over):
-    """One device, batch 0 cut into ``m`` microbatches run one at a time: ``(loss, aux, grads, params)`` with
-    loss, metrics and gradients the float64 mean over the microbatches, ``params`` the initial ones (layer order)."""
-    cfg = config(style, **over)
-    t = trainer(config(style, **over, train__batch_size=cfg.train.batch_size // m))
-    params = t.init_state()["params"]
-    grads_fn = jax.jit(t.grads)
-    batch = batches(cfg, 1)[0]
-    per_mb = [jax.device_get(grads_fn(params, t.place_batch({k: v[i::m] for k, v in batch.items()})))
-              for i in range(m)]
-    mean = jax.tree.map(lambda *xs: np.mean([np.asarray(x, np.float64) for x in xs], axis=0), *per_mb)
-    return float(mean[0]), mean[1], mean[2], jax.device_get(params)
-
-
-def _check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref):
-    """Loss, MoE metrics and gradients of a pipelined MoE run against :func:`_per_microbatch_reference`; the
-    router losses are on and move the loss by far more than the tolerance."""
-    ref_loss, ref_aux, ref_grads, _ = ref
-    n_moe = cfg.model.n_layers // cfg.moe.every
-    w_aux, w_z = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
-    router = n_moe * (w_aux * ref_aux["moe_aux_loss"] + w_z * ref_aux["moe_z_loss"])  # metrics: per-layer means
-    assert abs(ref_loss - ref_aux["ce_loss"] - router) <= 1e-6 * ref_loss
-    assert router > 100 * 1e-5 * ref_loss, router  # the router losses are far above the tolerance
-    assert rel_err(got_loss, ref_loss) <= 1e-5, (got_loss, ref_loss)
-    for key in ("ce_loss", "moe_aux_loss", "moe_z_loss", "moe_expert_load"):
-        assert rel_err(got_aux[key], ref_aux[key]) <= 1e-5, (key, got_aux[key], ref_aux[key])
-    if cfg.moe.capacity_factor >= cfg.moe.n_experts / cfg.moe.top_k:  # capacity E/k: none drop
-        assert float(got_aux["moe_drop_fraction"]) == 0.0 == ref_aux["moe_drop_fraction"]
-    else:  # the same assignments drop: each microbatch is one routing group on both sides
-        assert ref_aux["moe_drop_fraction"] > 0.005 and rel_err(got_aux["moe_drop_fraction"],
-                                                               ref_aux["moe_drop_fraction"]) <= 1e-6
-    # every token's k assignments, per MoE layer and microbatch (a hand count)
-    assert np.sum(got_aux["moe_expert_load"]) == cfg.train.batch_size // cfg.parallel.microbatches \
-        * cfg.model.seq_len * cfg.moe.top_k
-    assert_trees_close(got_grads, ref_grads, 1e-5, "grads ")
-
-
 @pytest.mark.parametrize("sched", ["gpipe", "1f1b", "gpipe_default_capacity"])
 def test_pipelined_moe_with_router_losses_on_matches_one_device_per_microbatch(sched):
     """MoE through the pipeline (6 layers, pipe=2 x expert=2, M = 4) with the balance and z-losses at their defaults
@@ -356,9 +319,9 @@ def test_pipelined_moe_with_router_losses_on_matches_one_device_per_microbatch(s
     cfg = config("gpt2", **model, **layout)
     assert (cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight) == (0.01, 0.001)  # the defaults
     assert cfg.moe.capacity_factor == (1.25 if sched == "gpipe_default_capacity" else 2.0)
-    ref = _per_microbatch_reference("gpt2", 4, **model)
+    ref = per_microbatch_reference("gpt2", 4, **model)
     first = first_step(cfg)
-    _check_moe_against_reference(cfg, first["loss"], first["aux"], first["grads"], ref)
+    check_moe_against_reference(cfg, first["loss"], first["aux"], first["grads"], ref)
     if sched == "gpipe":  # (1F1B evaluates with the same program: its loss without gradients is GPipe's)
         t = first["trainer"]
         val = float(t.eval_loss(first["state"]["params"], t.place_batch(batches(cfg, 1)[0])))
@@ -402,7 +365,7 @@ def test_circular_pipeline_whose_storage_order_is_not_its_own_inverse(case):
         first = first_step(config(style, **model))
         ref = first["loss"], None, first["grads"], jax.device_get(first["state"]["params"])
     else:
-        ref = _per_microbatch_reference(style, m, **model)
+        ref = per_microbatch_reference(style, m, **model)
     got = first_step(cfg)
     t = got["trainer"]
     assert list(stage_major_order(6, 2, 3)) == ORDER_2x3 and list(t.layer_order(6)) == ORDER_2x3
@@ -416,7 +379,7 @@ def test_circular_pipeline_whose_storage_order_is_not_its_own_inverse(case):
         assert rel_err(got["loss"], ref[0]) <= 1e-5, (got["loss"], ref[0])
         assert_trees_close(grads, ref[2], 1e-5, "grads ")
     else:
-        _check_moe_against_reference(cfg, got["loss"], got["aux"], grads, ref)
+        check_moe_against_reference(cfg, got["loss"], got["aux"], grads, ref)
     assert_trees_close(layer_order(jax.device_get(got["state"]["params"])), ref[3], 0.0, "stored params ")
     assert_trees_close(jax.device_get(t.state_to_layer_order(got["state"])["params"]), ref[3], 0.0,
                        "checkpointed params ")
