@@ -167,9 +167,10 @@ def per_microbatch_reference(style: str, m: int, **over):
     return float(mean[0]), mean[1], mean[2], jax.device_get(params)
 
 
-def check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref):
-    """Loss, MoE metrics and gradients of a pipelined MoE run against :func:`per_microbatch_reference`; the
-    router losses are on and move the loss by far more than the tolerance."""
+def check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref, m: int | None = None):
+    """Loss, MoE metrics and gradients of a pipelined (or accumulated: ``m`` microsteps) MoE run against
+    :func:`per_microbatch_reference`; the router losses are on and move the loss by far more than the tolerance."""
+    m = m or cfg.parallel.microbatches
     ref_loss, ref_aux, ref_grads, _ = ref
     n_moe = cfg.model.n_layers // cfg.moe.every
     w_aux, w_z = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
@@ -185,8 +186,7 @@ def check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref):
         assert ref_aux["moe_drop_fraction"] > 0.005 and rel_err(got_aux["moe_drop_fraction"],
                                                                ref_aux["moe_drop_fraction"]) <= 1e-6
     # every token's k assignments, per MoE layer and microbatch (a hand count)
-    assert np.sum(got_aux["moe_expert_load"]) == cfg.train.batch_size // cfg.parallel.microbatches \
-        * cfg.model.seq_len * cfg.moe.top_k
+    assert np.sum(got_aux["moe_expert_load"]) == cfg.train.batch_size // m * cfg.model.seq_len * cfg.moe.top_k
     assert_trees_close(got_grads, ref_grads, 1e-5, "grads ")
 
 

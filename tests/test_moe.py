@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import assert_trees_close, batches, config, first_step, rel_err, trainer
+from helpers import (assert_trees_close, batches, check_moe_against_reference, config, first_step,
+                     per_microbatch_reference, rel_err, trainer)
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layers import MoE, expert_capacity
 from jaxpar.mesh import make_mesh
@@ -291,6 +292,11 @@ LAYOUTS = {
     "expert2_tensor4_sp_shared_sigmoid": ("llama", dict(parallel__expert=2, parallel__tensor=4,
                                                         parallel__megatron_sp=True, moe__shared_experts=1,
                                                         moe__score="sigmoid")),
+    # Megatron-SP with the sequence split too: the residual stream is split over seq x tensor, seq-major, so
+    # that an all-gather over tensor gives each seq shard its own positions (gpt2: the learned position table
+    # is added in the embedding's reduce-scatter, which must agree with the attention's gather)
+    "seq2_tensor2_data2_sp": ("gpt2", dict(parallel__data=2, parallel__seq=2, parallel__tensor=2,
+                                           parallel__megatron_sp=True)),
     # dropless by sorting (a grouped matmul over the routed assignments), under Megatron-SP
     "sorted_data2_tensor4_sp": ("llama", dict(parallel__data=2, parallel__tensor=4, parallel__megatron_sp=True,
                                               moe__dropless=True, moe__dispatch="sorted")),
@@ -329,6 +335,19 @@ def test_moe_model_matches_single_device(layout):
         assert rel_err(got[1][key], ref[1][key]) <= 1e-5, key
     assert_trees_close(got[2], ref[2], 1e-5, "grads ")
     assert float(ref[0]) > float(ref[1]["ce_loss"])  # the router losses are part of the loss
+
+
+def test_gradient_accumulation_adds_each_microsteps_router_losses():
+    """train.grad_accum=2 on data=2, the router losses on: each microstep routes its own rows (k, k+K, ...: the
+    rows every batch shard holds, so no data moves) and adds its router losses, averaged over the microsteps.
+    The balance loss is a product of batch means, so the rows of each microstep matter: the loss, the MoE
+    metrics and the gradients equal one device run on rows 0, 2, 4, ... and on rows 1, 3, 5, ... alone,
+    averaged by hand (helpers.per_microbatch_reference)."""
+    cfg = config("gpt2", **MOE, parallel__data=2, train__grad_accum=2)
+    assert (cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight) == (0.01, 0.001)
+    ref = per_microbatch_reference("gpt2", 2, **MOE)
+    got = first_step(cfg)
+    check_moe_against_reference(cfg, got["loss"], got["aux"], got["grads"], ref, m=2)
 
 
 def _cross_entropy(logits, targets, vocab: int) -> float:

@@ -172,6 +172,8 @@ def test_planner_state_and_traffic_match_a_hand_count(name):
     assert est.memory["params"] == pytest.approx(params, rel=1e-12)
     assert est.memory["opt"] == pytest.approx(opt, rel=1e-12)
     assert est.memory["grads"] == pytest.approx(params, rel=1e-12)
+    # the pipeline's bubble stretches the compute: 4 microbatches on 2 stages take 4 + 2 - 1 = 5 slots of 4
+    assert est.bubble == (5 / 4 if name == "data4-pipe2" else 1.0)
     assert est.comm.keys() == traffic.keys()
     for axes, b in traffic.items():
         assert est.comm[axes] == pytest.approx(b, rel=1e-9), axes

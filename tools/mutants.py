@@ -262,10 +262,7 @@ MUTANTS = [
     # -- Megatron sequence parallelism -------------------------------------------------------------------
     M("msp-residual-split-order", "megatron-sp", PART,
       '"res_length": ("seq", "tensor") if', '"res_length": ("tensor", "seq") if',
-      ["tests/test_comm.py::test_collectives_match_the_model[zero1-seq-sp]",
-       f"{PIPE_EQ}[llama_gqa-pipe=2-seq=2-tensor=2-megatron_sp=True-pipeline_schedule=1f1b]"],
-      note="the numbers cannot change (a sharding order); the layout does: the compiled step reshuffles the "
-           "residual stream between the two orders, collectives the comm model does not count"),
+      ["tests/test_moe.py::test_moe_model_matches_single_device[seq2_tensor2_data2_sp]"]),
     M("msp-row-bias-before-scatter", "megatron-sp", "jaxpar/layers/linear.py",
       "psum_scatter(self._matmul(x, kernel, None),", "psum_scatter(self._matmul(x, kernel, bias),",
       [f"{SEQ_EQ}[gpt2-tensor=4-megatron_sp=True]"]),
@@ -330,14 +327,7 @@ MUTANTS = [
     M("ga-microbatch-rows-contiguous", "grad-accum", "jaxpar/trainer.py",
       "x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)",
       "x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)",
-      ["tests/test_comm.py::test_collectives_match_the_model[grad-accum]",
-       "tests/test_equivalence.py::test_gradient_accumulation[gpt2]"],
-      note="dense numbers do not change (each row still in one microbatch); what changes is the data movement "
-           "(each microbatch no longer split over the batch axes where it lies) and MoE router losses per "
-           "microbatch: if it survives, pin the rows of microstep k (k, k+K, ...) by a MoE + grad_accum test or "
-           "the compiled step's absence of batch collectives"),
-
-    # -- generation --------------------------------------------------------------------------------------
+      ["tests/test_moe.py::test_gradient_accumulation_adds_each_microsteps_router_losses"]),
     M("gen-decode-position", "generation", "jaxpar/generate.py",
       "(lengths + i)[:, None], cache)", "(lengths + i - 1)[:, None], cache)",
       [f"{GREEDY}[gpt2]"]),
@@ -443,9 +433,8 @@ MUTANTS = [
       ["tests/test_plan.py::test_model_matches_the_compiled_step[data2-expert4-moe]"]),
     M("mm-bubble-off-by-one", "memory-model", "jaxpar/plan.py",
       "est.bubble = (mb + s_ - 1) / mb", "est.bubble = (mb + s_) / mb",
-      ["tests/test_plan.py::test_rules_of_thumb_fall_out_of_the_model"],
-      note="only the ranking reads the bubble; a test of Estimate.bubble (or compute_seconds) for one pipeline "
-           "layout against (M + S - 1) / M written out kills it"),
+      ["tests/test_plan.py::test_planner_state_and_traffic_match_a_hand_count",
+       "tests/test_plan.py::test_rules_of_thumb_fall_out_of_the_model"]),
     M("mm-step-bytes-alias-added", "memory-model", "jaxpar/faults.py",
       '- mem.get("alias_size", 0)', '+ mem.get("alias_size", 0)',
       ["tests/test_faults.py::test_out_of_memory_message_names_the_need_and_the_cure"]),
