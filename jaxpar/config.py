@@ -122,7 +122,10 @@ class ModelConfig:
     seq_len: int = _f(128, "Tokens per training sequence.", range=POSITIVE)
     max_positions: int = _f(0, "Rows of the learned position table (model.positions=learned): the longest sequence "
                                "the model takes, at least model.seq_len, which only limits the training context "
-                               "(an imported GPT-2 keeps its n_positions); 0 = model.seq_len.", range=NONNEGATIVE)
+                               "(an imported GPT-2 keeps its n_positions). With RoPE (no table) the context the "
+                               "model is made for, which sizes nothing: an import keeps the checkpoint's "
+                               "max_position_embeddings and the export writes it (or model.seq_len if longer). "
+                               "0 = model.seq_len.", range=NONNEGATIVE)
     init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama "
                             "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral; config.json + safetensors), whose "
                             "config.json sets the architecture keys; a resumed run continues from its checkpoint "
@@ -189,7 +192,7 @@ class ModelConfig:
         llama = self.style == "llama"
         c = dataclasses.replace(self)
         c.positions = c.positions or ("rope" if llama else "learned")
-        c.max_positions = (c.max_positions or c.seq_len) if c.positions == "learned" else c.max_positions
+        c.max_positions = c.max_positions or c.seq_len
         c.norm = c.norm or ("rmsnorm" if llama else "layernorm")
         c.mlp = c.mlp or ("swiglu" if llama else "gelu")
         c.tie_embeddings = (not llama) if c.tie_embeddings is None else c.tie_embeddings
@@ -616,9 +619,6 @@ def validate(cfg: Config) -> None:
     if r.rope_local_theta and not (r.sliding_window and r.positions == "rope"):
         raise ConfigError(f"model.rope_local_theta={r.rope_local_theta:g} is the RoPE base of sliding-window layers: "
                           "it needs model.sliding_window > 0 and model.positions=rope")
-    if m.max_positions and r.positions != "learned":
-        raise ConfigError(f"model.max_positions={m.max_positions} sizes the learned position table: it needs "
-                          "model.positions=learned (RoPE has no table); remove it")
     if r.positions == "learned" and r.max_positions < r.seq_len and not m.init_from:  # an import: hf_config.check
         raise ConfigError(f"model.seq_len={r.seq_len} exceeds model.max_positions={r.max_positions}, the rows of the "
                           "learned position table; raise model.max_positions (0 = model.seq_len) or lower seq_len")

@@ -48,10 +48,14 @@ def config_keys(hf: dict, where: str = "config.json") -> tuple[dict[str, Any], d
     :mod:`jaxpar.families`): ``hard`` define the architecture (a conflicting user value is an error),
     ``soft`` are defaults the user may change."""
     try:
-        return family(hf, where).config_keys(hf, where)
+        hard, soft = family(hf, where).config_keys(hf, where)
     except KeyError as e:
         raise ConfigError(f"{where}: field {e.args[0]!r} is missing (needed by its model_type "
                           f"{hf.get('model_type')!r})") from None
+    if hard.get("model.positions") == "rope" and hf.get("max_position_embeddings"):
+        # the context a RoPE model is made for: kept (it sizes nothing) and written back by the export
+        soft = {"model.max_positions": int(hf["max_position_embeddings"]), **soft}
+    return hard, soft
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ class Trainer:
         self.param_specs = specs(self.rules.params)
         opt_param_specs = specs(self.rules.opt)
         m = cfg.model.resolved()  # a position table longer than the context: its unused rows stay as they are
-        self.tx = make_optimizer(cfg.train, axes, positions_used=m.seq_len if m.max_positions > m.seq_len else None)
+        longer = m.positions == "learned" and m.max_positions > m.seq_len
+        self.tx = make_optimizer(cfg.train, axes, positions_used=m.seq_len if longer else None)
         self.schedule = lr_schedule(cfg.train)
         opt_abstract = jax.eval_shape(self.tx.init, abstract)
         self.opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_abstract, opt_param_specs,

@@ -192,6 +192,7 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
         assert orig[name].dtype == back[name].dtype and np.array_equal(orig[name], back[name]), name
     conf = json.loads((tmp_path / "same" / "config.json").read_text())
     assert conf["architectures"] == [CLASSES[family]]
+    assert conf["max_position_embeddings"] == 64  # the input's (build()), not the training context T
     if family not in ("gemma3", "qwen2"):  # the trained export: the two that use the most switches
         return
 

@@ -324,10 +324,8 @@ def test_cli_run_paths_are_one_line(tmp_path, capsys):
 
 def test_max_positions_key():
     assert load_config(None, ["model.seq_len=64"]).model.resolved().max_positions == 64  # 0: model.seq_len
-    assert load_config(None, ["model.style=llama"]).model.resolved().max_positions == 0
     assert load_config(None, ["model.max_positions=1024", "model.seq_len=64"]).model.resolved().max_positions == 1024
-    for args, match in [(["model.style=llama", "model.max_positions=64"], "needs model.positions=learned"),
-                        (["model.max_positions=32", "model.seq_len=64"], "seq_len=64 exceeds model.max_positions=32"),
+    for args, match in [(["model.max_positions=32", "model.seq_len=64"], "seq_len=64 exceeds model.max_positions=32"),
                         (["model.max_positions=-1"], "model.max_positions=-1 is out of range")]:
         with pytest.raises(ConfigError, match=match):
             load_config(None, args)
@@ -372,3 +370,22 @@ def test_mixtral_aux_loss_coefficient_maps_through_top_k_over_layers():
     assert soft["moe.aux_loss_weight"] == pytest.approx(0.01)
     _, soft = config_keys({**exported, "router_aux_loss_coef": 0.03, "num_hidden_layers": 6, "num_experts_per_tok": 1})
     assert soft["moe.aux_loss_weight"] == pytest.approx(0.005)
+
+
+def test_rope_context_is_kept_by_the_import_and_written_by_the_export():
+    """RoPE has no position table: model.max_positions is the context the model is made for. An import keeps the
+    checkpoint's max_position_embeddings (131072, a Llama 3.x), the user may change it, and the export writes it,
+    not the training context (model.seq_len, 64 here), unless that is longer (context extension)."""
+    from jaxpar.hf_config import config_keys
+
+    base = ["model.style=llama", "model.n_layers=2", "model.d_model=32", "model.n_heads=4", f"model.vocab_size={V}"]
+    made = load_config(None, [*base, "model.seq_len=64", "model.max_positions=131072"])
+    assert made.model.resolved().max_positions == 131072
+    exported = hf.hf_config(made)
+    assert exported["max_position_embeddings"] == 131072
+    hard, soft = config_keys(exported)
+    assert soft["model.max_positions"] == 131072 and "model.max_positions" not in hard  # the user may change it
+    assert load_config(None, [*base, "model.seq_len=64"]).model.resolved().max_positions == 64  # 0 = seq_len
+    assert hf.hf_config(load_config(None, [*base, "model.seq_len=64"]))["max_position_embeddings"] == 64
+    longer = load_config(None, [*base, "model.seq_len=256", "model.max_positions=128"])  # trained past it
+    assert hf.hf_config(longer)["max_position_embeddings"] == 256

@@ -95,6 +95,6 @@ def decoder_config(m, act_field: str = "hidden_act", act: str = "silu") -> dict[
     """The ``config.json`` fields of a resolved Llama-style model config."""
     return {"num_hidden_layers": m.n_layers, "hidden_size": m.d_model, "num_attention_heads": m.n_heads,
             "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim, "intermediate_size": m.d_ff,
-            "vocab_size": m.vocab_size, "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
-            "rope_theta": m.rope_theta, "rope_parameters": rope_parameters(m), act_field: act,
-            "tie_word_embeddings": m.tie_embeddings}
+            "vocab_size": m.vocab_size, "max_position_embeddings": max(m.max_positions, m.seq_len),
+            "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_parameters": rope_parameters(m),
+            act_field: act, "tie_word_embeddings": m.tie_embeddings}
