@@ -41,6 +41,7 @@ DURATIONS = json.loads((Path(__file__).resolve().parent / "durations.json").read
 # ... except these: each mechanism keeps a quick test whose expectation is independent of the code (one device,
 # numpy), where its cheaper tests are all consistency checks (DEVELOPERS.md, section 4)
 QUICK = {
+    "tests/test_collectives.py::test_data_parallel_allreduces_gradients_once",
     "tests/test_pipeline.py::test_loss_and_grads_match_single_device[gpt2-pipe=2-pipeline_schedule=1f1b]",
     # gradient accumulation (and ZeRO-1) under 1F1B
     "tests/test_pipeline.py::test_loss_and_grads_match_single_device[llama_gqa-pipe=2-data=4-zero=1-d_accum=2-"

@@ -165,7 +165,8 @@ def test_check_refuses_stale_and_non_compiling_mutants_and_selection_errors(tmp_
 
 def test_tiers_read_a_durations_report_and_the_quick_set_names_slow_tests(tmp_path):
     """tools/tiers.py: a hand-written ``--durations=0`` report (phases of one test summed; a node id with spaces
-    in its parameters kept whole; other lines ignored) becomes tests/durations.json's form; a report without
+    in its parameters kept whole; other lines ignored) becomes tests/durations.json's form (over a recorded
+    file: the longer of the two times, tests the run did not see dropped); a report without
     such lines is one error line. conftest's QUICK set names tests of durations.json that are over the
     threshold (a faster one, or a renamed one, would make the set say nothing)."""
     report = textwrap.dedent("""\
@@ -185,6 +186,15 @@ def test_tiers_read_a_durations_report_and_the_quick_set_names_slow_tests(tmp_pa
     assert json.loads(out.read_text()) == {"tests/test_a.py::test_one[x-y]": 15.8,
                                            "tests/test_b.py::test_two[args1-needs --stages (4) and more]": 4.0}
     assert "2 tests, 20 s in all" in p.stdout
+    # run again over a recorded file: the longer time of the two stays, a test this run did not see goes
+    out.write_text(json.dumps({"tests/test_a.py::test_one[x-y]": 30.0, "tests/test_b.py::test_two[args1-needs "
+                                                                      "--stages (4) and more]": 1.0,
+                               "tests/test_c.py::test_gone": 9.0}))
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "tiers.py"), str(tmp_path / "full.log"), "--out",
+                        str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(out.read_text()) == {"tests/test_a.py::test_one[x-y]": 30.0,
+                                           "tests/test_b.py::test_two[args1-needs --stages (4) and more]": 4.0}
     (tmp_path / "empty.log").write_text("3 passed in 1.00s\n")
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "tiers.py"), str(tmp_path / "empty.log")],
                        capture_output=True, text=True, timeout=60)
