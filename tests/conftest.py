@@ -6,6 +6,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # jaxpar's data cache (tokenizers, token stores of text sources): one per machine in the temp folder, shared
@@ -55,8 +57,6 @@ QUICK = {
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         if DURATIONS.get(item.nodeid, 0.0) > SLOW_SECONDS and item.nodeid not in QUICK:
             item.add_marker(pytest.mark.slow)

@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         recorded = json.loads(out.read_text())
         durations = {k: max(v, recorded.get(k, 0.0)) for k, v in durations.items()}
     # the threshold the tiers use, read from tests/conftest.py (importing it would start JAX)
-    SLOW_SECONDS = float(re.search(r"^SLOW_SECONDS = (\S+)", (ROOT / "tests" / "conftest.py").read_text(), re.M)[1])
-    slow = sum(v for v in durations.values() if v > SLOW_SECONDS)
-    print(f"{len(durations)} tests, {sum(durations.values()):.0f} s in all; over {SLOW_SECONDS} s (slow): "
-          f"{sum(v > SLOW_SECONDS for v in durations.values())} tests, {slow:.0f} s; quick: "
+    threshold = float(re.search(r"^SLOW_SECONDS = (\S+)", (ROOT / "tests" / "conftest.py").read_text(), re.M)[1])
+    slow = sum(v for v in durations.values() if v > threshold)
+    print(f"{len(durations)} tests, {sum(durations.values()):.0f} s in all; over {threshold} s (slow): "
+          f"{sum(v > threshold for v in durations.values())} tests, {slow:.0f} s; quick: "
           f"{sum(durations.values()) - slow:.0f} s (divide by the xdist workers for the wall time)")
     if not args.print:
         out.write_text(json.dumps(durations, indent=0, sort_keys=True) + "\n")
