@@ -254,15 +254,25 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = _f("synthetic", "Training tokens: synthetic (a learnable function of seed and step), "
-                                  "shakespeare (built-in corpus), files (data.path, tokenised at start, cached), or "
-                                  "tokens (a token store made by python -m jaxpar.data.prepare).",
-                     ("synthetic", "shakespeare", "files", "tokens"))
+                                  "shakespeare (built-in corpus), files (data.path, tokenised at start, cached), "
+                                  "tokens (a token store made by python -m jaxpar.data.prepare), or chat (data.path: "
+                                  "a JSONL of conversations rendered with the model's chat template, only assistant "
+                                  "turns trained; needs data.packing=documents).",
+                     ("synthetic", "shakespeare", "files", "tokens", "chat"))
     path: str = _f("", "With source=files: a text file, a glob, or a folder of .txt/.md/.json/.jsonl/.parquet files; "
                        "with source=tokens: the token store's folder.")
     mix: str = _f("", "With source=tokens, instead of data.path: weighted token stores 'PATH:W,PATH:W'; every global "
                       "batch holds W/sum(W) of its rows from each (rounded by largest remainder).")
+    packing: str = _f("stream", "How rows are made: stream (documents concatenated and cut into rows: attention and "
+                                "positions run across documents, every token trained; GPT-2 style) or documents "
+                                "(whole documents packed best-fit into rows, attention kept inside each document, "
+                                "positions restarting per document, padding and untrained tokens weighted 0; the "
+                                "loss is the mean over trained tokens of the global batch).", ("stream", "documents"))
     prefetch: int = _f(2, "Batches of a text or token source gathered ahead in a background thread (0 = in the loop).",
                        range=NONNEGATIVE)
+    chat_template: str = _f("", "With source=chat (and python -m jaxpar.generate --chat): the Hugging Face model "
+                                "folder whose chat template (chat_template.jinja or tokenizer_config.json) renders "
+                                "conversations; empty = the folder of model.init_from, else of data.tokenizer.")
     jsonl_field: str = _f("text", "Field holding the document in .jsonl / .json records.")
     tokenizer: str = _f("bpe", "bpe (byte-level BPE trained on the training text, vocab model.vocab_size, "
                                "cached), byte (raw UTF-8 bytes), or the path of a tokenizer.json.")
@@ -644,6 +654,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.mix mixes token stores: it needs data.source=tokens (got data.source={d.source})")
     if d.mix and d.path:
         raise ConfigError("data.mix and data.path both name the data; give one (data.mix lists every store)")
+    if d.source == "chat":
+        if not d.path:
+            raise ConfigError("data.source=chat needs data.path (a .jsonl file of conversations, or a folder of them)")
+        if d.packing != "documents":
+            raise ConfigError("data.source=chat trains conversations as documents (attention inside each, only "
+                              "assistant turns trained): it needs data.packing=documents")
+    if d.packing == "documents" and d.mix:
+        raise ConfigError("data.packing=documents with data.mix is not supported yet; pack one store (data.path)")
     if t.batch_size % t.grad_accum:
         raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
     ds = cfg.distributed

@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop", action="append", default=[],
                     help="text of one token that ends a completion (repeatable)")
     ap.add_argument("--seed", type=SEED, default=0, help="in [0, 2^32 - 1] (default 0)")
+    ap.add_argument("--chat", action="store_true",
+                    help="each --prompt is a user message, rendered with the model's chat template (the run's "
+                         "data.chat_template, else its model.init_from folder's, as fine-tuning rendered it) up to "
+                         "the assistant's turn; the reply stops at the template's eos_token and is printed alone")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.data=1 parallel.tensor=2")
     a = ap.parse_intermixed_args(argv)
 
@@ -463,8 +467,14 @@ def main(argv: list[str] | None = None) -> int:
         if tokenizer is None:
             raise ConfigError(f"the run trained on data.source={trainer.cfg.data.source}, which has no tokenizer to "
                               "turn prompts into ids")
+        template = None
+        if a.chat:
+            from jaxpar.data.chat import ChatTemplate, template_folder
+
+            template = ChatTemplate.from_hf_dir(template_folder(trainer.cfg, run))
         stop = []
-        for text in a.stop:
+        stops = list(a.stop) + ([template.eos_token] if template is not None and template.eos_token else [])
+        for text in stops:
             got = [int(i) for i in tokenizer.encode(text)]
             if len(got) != 1:
                 raise ConfigError(f"--stop {text!r} is {len(got)} tokens {got} for this tokenizer; a stop is the text "
@@ -479,7 +489,11 @@ def main(argv: list[str] | None = None) -> int:
                             top_k=s.top_k if a.top_k is None else a.top_k,
                             top_p=s.top_p if a.top_p is None else a.top_p, stop=tuple(stop))
         prompts = a.prompt or [s.prompt]
-        ids = [prompt_ids(tokenizer, p) for p in prompts]
+        if template is not None:  # the template writes the BOS it wants; the ids are the model's own
+            texts = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+            ids = [[int(i) for i in tokenizer.encode(t)] for t in texts]
+        else:
+            ids = [prompt_ids(tokenizer, p) for p in prompts]
         for p, q in zip(prompts, ids):
             if not q:
                 raise ConfigError(f"{'--prompt' if a.prompt else 'sample.prompt'} {p!r} has no token to start from "
@@ -510,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     for p, o in zip(prompts, out):
-        print(p + tokenizer.decode(np.asarray(o, np.int32)))
+        if template is not None:  # the reply alone, without its end-of-turn token
+            o = o[:-1] if o and o[-1] in sampling.stop else o
+            print(tokenizer.decode(np.asarray(o, np.int32)))
+        else:
+            print(p + tokenizer.decode(np.asarray(o, np.int32)))
         print("---")
     return 0
 

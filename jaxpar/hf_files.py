@@ -144,7 +144,7 @@ class Safetensors:
 # Writing.
 
 _SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
-_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def special_tokens(tokenizer, vocab_size: int) -> tuple[dict[str, Any], dict[str, Path]]:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -158,8 +159,14 @@ class EvalHook:
         self.val: float | None = None
 
     def evaluate(self, params) -> float:
-        losses = [self.trainer.eval_loss(params, self.trainer.place_batch(b)) for b in self.batches]
-        self.val = float(np.mean(jax.device_get(losses)))
+        """The mean loss over the validation batches; with loss weights (packed documents) the mean over
+        their trained tokens (each batch's weighted mean weighted by its trained tokens)."""
+        placed = [self.trainer.place_batch(b) for b in self.batches]
+        losses = np.asarray(jax.device_get([self.trainer.eval_loss(params, b) for b in placed]), np.float64)
+        weighted = all("weights" in b for b in placed)  # the global batch's trained tokens (every process alike)
+        weights = np.asarray(jax.device_get([jnp.sum(b["weights"]) for b in placed]), np.float64) if weighted else None
+        self.val = float(np.average(losses, weights=weights) if weights is not None and weights.sum() > 0
+                         else np.mean(losses))
         return self.val
 
     def __call__(self, info) -> None:
@@ -221,6 +228,8 @@ class MetricsHook:
         self.last_time, self.last_step, self.last_excluded, self.loss = now, step + 1, self.loop.excluded, m["loss"]
         rec = {"step": step, **m, "step_time": dt, "tokens_per_sec": self.tokens_per_step / dt,
                "model_tflops_per_sec": self.model_flops / dt / 1e12}
+        if "trained_tokens" in m:  # packed documents: the tokens the loss counts (this step's, over the step time)
+            rec["trained_tokens_per_sec"] = m["trained_tokens"] / dt
         if self.peak:
             rec["mfu"] = self.model_flops / dt / self.peak
         if self.bubble is not None:

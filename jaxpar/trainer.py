@@ -11,7 +11,8 @@ from the logical names the model declared and the rules of :mod:`jaxpar.partitio
 * the batch is split over ``batch -> (data, expert)``.
 
 The state is created inside ``jit`` with these output shardings, so no host ever holds the whole
-model, and the step is compiled once, with the state donated.
+model, and the step is compiled once, with the state donated. Long by design: state, layer order,
+the step (gradient accumulation, loss weights, fault handling), compilation and batch placement meet here.
 """
 
 from __future__ import annotations
@@ -30,12 +31,19 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import flops, hlo, xla_options
 from jaxpar.config import Config, ConfigError
 from jaxpar.layers import attention_ops
-from jaxpar.layers.loss import loss_chunks
+from jaxpar.layers.loss import DOC_KEYS, loss_chunks
 from jaxpar.layers.precision import compute_dtype
 from jaxpar.layers.remat import check_supported as check_remat
 from jaxpar.mesh import make_mesh
 from jaxpar.optim import lr_schedule, make_optimizer
 from jaxpar.partitioning import check_batch_fits, check_model_fits, make_rules, use_rules
+
+BATCH_KEYS = ("inputs", "targets")
+
+
+def batch_dtype(key: str):
+    """A batch field's dtype: float32 loss weights, int32 ids otherwise."""
+    return jnp.float32 if key == "weights" else jnp.int32
 
 
 def _get(tree: dict, path: tuple):
@@ -143,8 +151,9 @@ class Trainer:
         seq = cfg.model.seq_len
         self.batch_sharding = self.rules.params.sharding(("batch", "length"))
         b = cfg.train.batch_size
-        self.abstract_batch = {k: jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=self.batch_sharding)
-                               for k in ("inputs", "targets")}
+        self.batch_keys = BATCH_KEYS + (DOC_KEYS if cfg.data.packing == "documents" else ())
+        self.abstract_batch = {k: jax.ShapeDtypeStruct((b, seq), batch_dtype(k), sharding=self.batch_sharding)
+                               for k in self.batch_keys}
         self._step_jit = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                                  out_shardings=(self.state_shardings, None), donate_argnums=0)
         self._compiled: jax.stages.Compiled | None = None  # set by compile()
@@ -270,36 +279,50 @@ class Trainer:
         return self._convert_state(state, inverse=False)
 
     # -- the step --------------------------------------------------------------------------------
-    def loss_fn(self, params: dict, batch: dict):
+    def loss_fn(self, params: dict, batch: dict, denominator=None):
+        """The model's loss and metrics of ``batch``; packed documents' fields (``data.packing=documents``)
+        go to the model's loss as keywords, with ``denominator`` (the trained tokens the weighted loss is
+        divided by; None: the batch's own)."""
+        docs = {k: batch[k] for k in DOC_KEYS if k in batch}
+        if docs and denominator is not None:
+            docs["loss_denominator"] = denominator
         with use_rules(self.rules):
             model: Any = self.adapter.model(params)  # any nnx.Module with loss(inputs, targets) (class docstring)
-            loss, aux = model.loss(batch["inputs"], batch["targets"])
+            loss, aux = model.loss(batch["inputs"], batch["targets"], **docs)
+        if docs:
+            aux = {**aux, "trained_tokens": jnp.sum(batch["weights"])}
         return loss, aux
 
     def grads(self, params: dict, batch: dict):
         """Mean loss, aux metrics and gradients over the batch, accumulated over ``grad_accum`` microsteps.
 
         Microstep ``k`` takes rows ``k, k+K, k+2K ...`` so that every microbatch stays split over the
-        batch axes without moving data.
+        batch axes without moving data. With loss weights (packed documents) each microstep divides its
+        weighted loss by the whole batch's trained tokens / K, so that the mean over microsteps is the
+        batch's weighted mean however the trained tokens fall into microsteps.
         """
         grad_fn = jax.value_and_grad(self.loss_fn, has_aux=True)
         k = self.cfg.train.grad_accum
         if k == 1:
             (loss, aux), grads = grad_fn(params, batch)
             return loss, aux, grads
+        denominator = jnp.sum(batch["weights"].astype(jnp.float32)) / k if "weights" in batch else None
         rules = self.rules.params
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
         micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, rules.sharding((None, "batch", "length"), x.shape)), micro)
 
         def body(acc, mb):
-            (loss, aux), g = grad_fn(params, mb)
+            (loss, aux), g = grad_fn(params, mb, denominator)
             return jax.tree.map(jnp.add, acc, g), (loss, aux)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (losses, auxs) = jax.lax.scan(body, zeros, micro)
         grads = jax.tree.map(lambda g: g / k, grads)
-        return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs), grads
+        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxs)
+        if "trained_tokens" in aux:  # a count: the sum over microsteps
+            aux["trained_tokens"] = jnp.sum(auxs["trained_tokens"])
+        return jnp.mean(losses), aux, grads
 
     def _step(self, state: dict, batch: dict):
         loss, aux, grads = self.grads(state["params"], batch)
@@ -399,5 +422,9 @@ class Trainer:
     def place_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This process's rows (see :meth:`local_rows`) -> global arrays split over the batch axes."""
         shape = (self.cfg.train.batch_size, self.cfg.model.seq_len)
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v, np.int32), shape)
-                for k, v in local.items()}
+        missing = [k for k in self.batch_keys if k not in local]
+        if missing:
+            raise ConfigError(f"the batch has no {', '.join(missing)}: data.packing={self.cfg.data.packing} needs "
+                              f"{', '.join(self.batch_keys)} (a source of packed documents gives them)")
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[k], batch_dtype(k)),
+                                                          shape) for k in self.batch_keys}

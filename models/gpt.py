@@ -33,7 +33,7 @@ from jaxpar.layers import MLP, Attention, ColumnParallelLinear, VocabParallelEmb
 from jaxpar.layers.attention_ops import rope_frequencies
 from jaxpar.layers.context_parallel import zigzag_order
 from jaxpar.layers.embedding import vocab_logits
-from jaxpar.layers.loss import head_cross_entropy
+from jaxpar.layers.loss import DOC_KEYS, head_cross_entropy
 from jaxpar.layers.stack import Stack, loss_in_pipeline
 from jaxpar.layers.precision import DTYPES, compute_dtype
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
@@ -90,8 +90,9 @@ class Block(nnx.Module):
         y, stats = y if isinstance(y, tuple) else (y, None)
         return x + (y if self.post_norm2 is None else self.post_norm2(y)), stats
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None, window=None) -> jax.Array:
-        x = self.attn_residual(x, lambda h: self.attn(h, positions, window))
+    def __call__(self, x: jax.Array, positions: jax.Array | None, window=None, **docs) -> jax.Array:
+        """``docs``: packed documents' ``segment_ids`` and ``doc_positions`` (:class:`~jaxpar.layers.Attention`)."""
+        x = self.attn_residual(x, lambda h: self.attn(h, positions, window, **docs))
         x, _ = self.mlp_residual(x)
         return constrain(x, ("batch", "res_length", "act_embed"))
 
@@ -125,9 +126,10 @@ class GPT(nnx.Module):
         """The stacked layers between embedding and head (a subclass may build others, e.g. MoE)."""
         return Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r, tensor=self.tensor), cfg.n_layers, rngs)
 
-    def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-        """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]``."""
-        return Stack(self.blocks, remat=self.cfg.remat, per_layer=self.per_layer())(x, positions)
+    def apply_blocks(self, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
+        """Run :meth:`make_blocks`' layers on the residual stream ``x [B, T, d_model]`` (``docs``: packed
+        documents' ``segment_ids`` and ``doc_positions``, each ``[B, T]``, passed to every layer)."""
+        return Stack(self.blocks, remat=self.cfg.remat, per_layer=self.per_layer(), rows=docs)(x, positions)
 
     def per_layer(self) -> dict | None:
         """The values in which the layers differ, one per layer (``Stack``'s ``per_layer``): each layer's
@@ -140,11 +142,16 @@ class GPT(nnx.Module):
         """The modules around the layer stack: embedding, positions, final norm and head."""
         return {"embed": self.embed, "pos_embed": self.pos_embed, "norm_f": self.norm_f, "head": self.head}
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+               doc_positions: jax.Array | None = None) -> jax.Array:
         """The final-normed residual stream ``[B, T, d_model]`` of ``tokens`` at global ``positions [T]``
-        (None: ``0..T-1`` in order; otherwise any order, e.g. zig-zag)."""
-        x = self.apply_blocks(embed_tokens(self.outer(), self.cfg, self.dtype, tokens, positions), positions)
-        return self.norm_f(x)
+        (None: ``0..T-1`` in order; otherwise any order, e.g. zig-zag). Packed documents: ``segment_ids``
+        and ``doc_positions`` ``[B, T]`` (in the order of ``tokens``): attention stays in each document
+        and position encodings restart with each."""
+        x = embed_tokens(self.outer(), self.cfg, self.dtype, tokens, positions if doc_positions is None else
+                         doc_positions)
+        docs = {} if segment_ids is None else {"segment_ids": segment_ids, "doc_positions": doc_positions}
+        return self.norm_f(self.apply_blocks(x, positions, **docs))
 
     def output_weight(self) -> tuple[jax.Array, str]:
         """The head's weight in its compute layout and its einsum layout (``vd`` tied, ``dv`` untied)."""
@@ -157,7 +164,7 @@ class GPT(nnx.Module):
         logits = vocab_logits(x, *self.output_weight(), self.dtype)
         return logits if order is None else logits[:, np.argsort(order)]
 
-    def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
+    def loss(self, tokens: jax.Array, targets: jax.Array, **docs) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy (float32) and a dict of auxiliary metrics.
 
         The head and the loss run fused over chunks of at most ``model.loss_chunk_tokens`` tokens per
@@ -165,40 +172,87 @@ class GPT(nnx.Module):
         batch never exist. Under zig-zag ring attention the tokens and targets are permuted together
         (the mean does not depend on the order), so nothing is put back in order. With ``pipe > 1`` the
         layer stack, the embedding and the loss run in the pipeline (:meth:`pipelined_loss`).
+
+        Packed documents (``data.packing=documents``; keywords, each ``[B, T]``, see :func:`batch_docs`):
+        ``segment_ids``, ``positions`` (each token's position in its document) and ``weights`` (0: not
+        trained); the loss is then ``sum(weights * ce) / loss_denominator`` (default ``sum(weights)`` of
+        this batch: the weighted mean; a trainer splitting a batch into microsteps passes the whole
+        batch's trained tokens per microstep).
         """
-        tokens, targets, positions = ordered(tokens, targets)
+        tokens, targets, positions, docs = ordered(tokens, targets, docs)
         if loss_in_pipeline():
-            return self.pipelined_loss(tokens, targets, positions)[0], {}
-        return head_loss(self.outer(), self.cfg, self.dtype, self.hidden(tokens, positions), targets), {}
+            return self.pipelined_loss(tokens, targets, positions, docs=docs)[0], {}
+        x = self.hidden(tokens, positions, **layer_docs(docs))
+        return head_loss(self.outer(), self.cfg, self.dtype, x, targets, docs), {}
 
     def pipelined_loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None,
-                       weights: dict | None = None) -> tuple[jax.Array, dict | None]:
+                       weights: dict | None = None, docs: dict | None = None) -> tuple[jax.Array, dict | None]:
         """The loss in the layout's pipeline (:meth:`~jaxpar.layers.stack.Stack.loss`): the embedding on
         the first stage, the head and loss on the last (the model's loss under every schedule). With
         ``weights`` (a dict over the per-layer outputs of :meth:`make_blocks`' layers, e.g. MoE router
         losses) the loss adds ``sum weight x sum over layers``; returns ``(loss, outputs)``, the per-layer
-        outputs averaged over microbatches (None without ``weights``)."""
+        outputs averaged over microbatches (None without ``weights``). ``docs``: packed documents (as
+        :meth:`loss`, in the order of ``tokens``): the segment ids and positions travel with each
+        microbatch, and each microbatch's loss is its share of the whole batch's weighted mean."""
         cfg, dtype = self.cfg, self.dtype
         outer_def, outer = nnx.split(self.outer())
+        docs = docs or {}
+        b = tokens.shape[0]
+        if docs:  # each token's share of the whole batch's loss: weight / the batch's trained tokens
+            d = loss_denominator(docs)
+            tokens = {"tokens": tokens, "positions": docs["positions"]}
+            targets = {"targets": targets, "weights": docs["weights"] / jnp.where(d > 0, d, 1.0)}
 
         def first_fn(o, tok):
+            if isinstance(tok, dict):
+                return embed_tokens(nnx.merge(outer_def, o), cfg, dtype, tok["tokens"], tok["positions"])
             return embed_tokens(nnx.merge(outer_def, o), cfg, dtype, tok, positions)
 
         def last_fn(o, h, tgt):
             mods = nnx.merge(outer_def, o)
+            if isinstance(tgt, dict):  # a part of rows/b of the batch, of which the pipeline takes the mean
+                share = {"weights": tgt["weights"], "loss_denominator": tgt["weights"].shape[0] / b}
+                return head_loss(mods, cfg, dtype, mods["norm_f"](h), tgt["targets"], share)
             return head_loss(mods, cfg, dtype, mods["norm_f"](h), tgt)
 
-        return Stack(self.blocks, remat=cfg.remat, outputs=weights is not None, per_layer=self.per_layer()).loss(
-            first_fn, last_fn, outer, tokens, targets, positions, weights=weights)
+        return Stack(self.blocks, remat=cfg.remat, outputs=weights is not None, per_layer=self.per_layer(),
+                     rows=layer_docs(docs)).loss(first_fn, last_fn, outer, tokens, targets, positions, weights=weights)
 
 
-def ordered(tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Tokens and targets in the order the active layout needs (:func:`sequence_order`), with the
-    global positions of that order (None: in order)."""
+def batch_docs(docs: dict) -> dict:
+    """The packed-document fields of a loss call's keywords, checked: ``segment_ids``, ``positions``,
+    ``weights`` (each ``[B, T]``, all three or none) and optionally ``loss_denominator``."""
+    unknown = set(docs) - set(DOC_KEYS) - {"loss_denominator"}
+    if unknown:
+        raise TypeError(f"unknown loss keyword(s) {sorted(unknown)}; a batch of packed documents has "
+                        f"{', '.join(DOC_KEYS)} (and loss_denominator)")
+    given = [k for k in DOC_KEYS if docs.get(k) is not None]
+    if given and len(given) < len(DOC_KEYS):
+        raise TypeError(f"packed documents need {', '.join(DOC_KEYS)} together; got only {', '.join(given)}")
+    return {k: v for k, v in docs.items() if v is not None} if given else {}
+
+
+def layer_docs(docs: dict) -> dict:
+    """What the layers take of a batch's packed documents: segment ids and in-document positions."""
+    return {"segment_ids": docs["segment_ids"], "doc_positions": docs["positions"]} if docs else {}
+
+
+def loss_denominator(docs: dict) -> jax.Array:
+    """The trained tokens the loss of a batch of packed documents is divided by (``loss_denominator``
+    when the caller gives it, else the sum of this batch's ``weights``)."""
+    d = docs.get("loss_denominator")
+    return jnp.sum(docs["weights"].astype(jnp.float32)) if d is None else jnp.asarray(d, jnp.float32)
+
+
+def ordered(tokens: jax.Array, targets: jax.Array, docs: dict | None = None):
+    """Tokens, targets and the packed-document fields (:func:`batch_docs`) in the order the active
+    layout needs (:func:`sequence_order`), with the global positions of that order (None: in order)."""
+    docs = batch_docs(docs or {})
     order = sequence_order(tokens.shape[1])
     if order is None:
-        return tokens, targets, None
-    return tokens[:, order], targets[:, order], jnp.asarray(order)
+        return tokens, targets, None, docs
+    docs = {k: (v[:, order] if k in DOC_KEYS else v) for k, v in docs.items()}
+    return tokens[:, order], targets[:, order], jnp.asarray(order), docs
 
 
 def embed_tokens(outer: dict, cfg: ModelConfig, dtype, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
@@ -225,11 +279,14 @@ def output_weight(outer: dict) -> tuple[jax.Array, str]:
     return constrain_weight(outer["head"].kernel[...], ("embed", "vocab")), "dv"
 
 
-def head_loss(outer: dict, cfg: ModelConfig, dtype, x: jax.Array, targets: jax.Array) -> jax.Array:
-    """Head and mean cross-entropy of the final-normed residual stream ``x`` (chunked, see :meth:`GPT.loss`)."""
+def head_loss(outer: dict, cfg: ModelConfig, dtype, x: jax.Array, targets: jax.Array,
+              docs: dict | None = None) -> jax.Array:
+    """Head and mean cross-entropy of the final-normed residual stream ``x`` (chunked, see :meth:`GPT.loss`);
+    with packed documents' ``weights`` (and ``loss_denominator``) the weighted mean."""
     w, layout = output_weight(outer)
+    weighted = {} if not docs else {"weights": docs["weights"], "denominator": loss_denominator(docs)}
     return head_cross_entropy(x, w, targets, cfg.vocab_size, layout=layout, dtype=dtype,
-                              chunk_tokens=cfg.loss_chunk_tokens)
+                              chunk_tokens=cfg.loss_chunk_tokens, **weighted)
 
 
 def sequence_order(t: int) -> np.ndarray | None:

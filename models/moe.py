@@ -55,8 +55,8 @@ class MoEBlock(Block):
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts, tensor=tensor)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
-        x = self.attn_residual(x, lambda h: self.attn(h, positions))
+    def __call__(self, x: jax.Array, positions: jax.Array | None, **docs) -> tuple[jax.Array, dict]:
+        x = self.attn_residual(x, lambda h: self.attn(h, positions, **docs))
         x, stats = self.mlp_residual(x)
         return constrain(x, ("batch", "res_length", "act_embed")), stats
 
@@ -70,10 +70,10 @@ class MoEGroup(nnx.Module):
                       if moe.every > 1 else None)
         self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs, tensor=tensor)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array | None, **docs) -> tuple[jax.Array, dict]:
         if self.dense is not None:
-            x = Stack(self.dense, pipelined=False)(x, positions)
-        return self.moe(x, positions)
+            x = Stack(self.dense, pipelined=False, rows=docs)(x, positions)
+        return self.moe(x, positions, **docs)
 
 
 class MoETransformer(GPT):
@@ -90,8 +90,8 @@ class MoETransformer(GPT):
         return Stack.create(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r, tensor=self.tensor), groups,
                             rngs)
 
-    def apply_blocks(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
-        x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True)(x, positions)
+    def apply_blocks(self, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
+        x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True, rows=docs)(x, positions)
         # GPT's hidden() returns only the residual stream: the router statistics ([groups] / [groups, E]) leave
         # through Flax's intermediates, collected by nnx.capture in loss / __call__.
         self.sow(nnx.Intermediate, "moe_stats", stats)
@@ -100,18 +100,20 @@ class MoETransformer(GPT):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return nnx.capture(super().__call__, nnx.Intermediate)(tokens)[0]
 
-    def loss(self, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict]:
-        """Cross-entropy plus the weighted router losses; metrics as in the module docstring."""
+    def loss(self, tokens: jax.Array, targets: jax.Array, **docs) -> tuple[jax.Array, dict]:
+        """Cross-entropy plus the weighted router losses; metrics as in the module docstring; packed
+        documents (``docs``) as :meth:`GPT.loss` (the router losses count every token, trained or not)."""
         m = self.moe_cfg
         if loss_in_pipeline():  # the router losses join the loss inside the pipeline; stats are for metrics
-            total, stats = self.pipelined_loss(*ordered(tokens, targets), {"aux_loss": m.aux_loss_weight,
-                                                                           "z_loss": m.z_loss_weight})
+            tokens, targets, positions, docs = ordered(tokens, targets, docs)
+            total, stats = self.pipelined_loss(tokens, targets, positions, {"aux_loss": m.aux_loss_weight,
+                                                                            "z_loss": m.z_loss_weight}, docs)
             assert stats is not None
             metrics: dict = {}
             aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
             ce = total - m.aux_loss_weight * aux - m.z_loss_weight * z
         else:
-            (ce, metrics), inter = nnx.capture(super().loss, nnx.Intermediate)(tokens, targets)
+            (ce, metrics), inter = nnx.capture(super().loss, nnx.Intermediate)(tokens, targets, **docs)
             stats = inter["moe_stats"][0]  # the one sown tuple entry
             aux, z = jnp.sum(stats["aux_loss"]), jnp.sum(stats["z_loss"])
             total = ce + m.aux_loss_weight * aux + m.z_loss_weight * z

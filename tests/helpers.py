@@ -53,7 +53,9 @@ def token_store() -> Path:
     cut = text.rfind("\n", 0, int(len(text) * 0.9)) + 1
     tok = ByteTokenizer()
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    out = Path(tempfile.gettempdir()) / f"jaxpar-test-store-{digest}"
+    from jaxpar.data.store import VERSION
+
+    out = Path(tempfile.gettempdir()) / f"jaxpar-test-store-v{VERSION}-{digest}"
     return write_stream_store(out, tok.encode(text[:cut]), tok.encode(text[cut:]), tok, {"key": digest})
 
 

@@ -242,7 +242,8 @@ def test_prepare_never_overwrites_and_every_refusal_is_one_line(tmp_path, capsys
     rc, err, out = _run(capsys, args)
     assert (rc, err) == (0, "") and "is already prepared" in out
     assert set(_tree(tmp_path)) - set(before) == {"corpus/all", *(f"corpus/all/{n}" for n in
-                                                               ("store.json", "train-00000.bin", "val-00000.bin"))}
+                                                               ("store.json", "train-00000.bin", "train-00000.docs.bin", "val-00000.bin",
+                                                                "val-00000.docs.bin"))}
     # a damaged store: rerunning its command says so (it does not claim "already prepared"), and the advice works
     shard = corpus / "all" / "train-00000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
@@ -286,7 +287,9 @@ def test_an_input_error_or_interruption_never_leaves_a_store_that_training_reads
     assert _run(capsys, [str(corpus), *BYTE, "--out", str(out)])[0] == 0
     assert _run(capsys, [str(corpus), *BYTE, "--out", str(tmp_path / "whole")])[0] == 0  # never interrupted
     contents = [{k: v and v[0] for k, v in _tree(d).items()} for d in (out, tmp_path / "whole")]
-    assert contents[0] == contents[1] and sorted(contents[0]) == ["store.json", "train-00000.bin", "val-00000.bin"]
+    assert contents[0] == contents[1] and sorted(contents[0]) == ["store.json", "train-00000.bin",
+                                                                "train-00000.docs.bin", "val-00000.bin",
+                                                                "val-00000.docs.bin"]
 
 
 def _tokens_cfg(path, **over):

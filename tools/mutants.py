@@ -39,6 +39,7 @@ MECHANISMS = {
     "hf-mapping": "Hugging Face import / export: layouts, transposes, slices, config translation",
     "comm-model": "the analytic communication model (jaxpar/comm.py, hlo.wire_bytes)",
     "memory-model": "the planner's memory and time model, faults.step_bytes, model flops",
+    "documents": "packed documents: segment masks on every kernel and axis, positions per document, loss weights",
 }
 
 
@@ -61,16 +62,17 @@ PIPE_EQ = "tests/test_pipeline.py::test_loss_and_grads_match_single_device"
 SEQ_EQ = "tests/test_sequence.py::test_loss_and_grads_match_single_device"
 LAYER_REF = "tests/test_moe.py::test_layer_matches_per_token_reference"
 DP8 = "tests/test_equivalence.py::test_layout_matches_single_device[zero1_data8-gpt2]"
+DOCS_EQ = "tests/test_documents.py::test_packed_rows_equal_each_document_alone"
 GREEDY = "tests/test_generate.py::test_cached_greedy_equals_recomputation_for_prompts_of_different_lengths"
 
 MUTANTS = [
     # -- data parallelism --------------------------------------------------------------------------------
     M("dp-loss-sum-of-local-means", "data-parallel", LOSS,
-      "loss = self._psum(loss, self.token_axes) / self.n_tokens",
+      "loss = self._psum(loss, self.token_axes) / denom",
       "loss = self._psum(loss / (b * t), self.token_axes)",
       [f"{FUSED}[untied-data2-tensor2]", DP8]),
     M("dp-grad-local-token-count", "data-parallel", LOSS,
-      "- hit) / self.n_tokens)", "- hit) / (b * t))",
+      "dlogits = (d / denom if", "dlogits = (d / (b * t) if",
       [f"{FUSED}[untied-data2-tensor2]", DP8]),
     M("dp-head-grad-one-shard", "data-parallel", LOSS,
       "return loss, dx, jnp.sum(dw_parts, axis=0)", "return loss, dx, dw_parts[0]",
@@ -231,7 +233,7 @@ MUTANTS = [
       note="tests that compare the MoE model with itself on one device weigh both sides the same; the pipelined "
            "router-loss test checks loss = ce_loss + the weighted router terms"),
     M("ml-pipeline-z-weight", "moe-losses", "models/moe.py",
-      '"z_loss": m.z_loss_weight})', '"z_loss": m.aux_loss_weight})',
+      '"z_loss": m.z_loss_weight}, docs)', '"z_loss": m.aux_loss_weight}, docs)',
       ["tests/test_pipeline.py::test_pipelined_moe_with_router_losses_on_matches_one_device_per_microbatch[1f1b]"],
       note="the older pipeline tests run MoE with both router-loss weights 0; this one has them on, against one "
            "device per microbatch"),
@@ -263,13 +265,14 @@ MUTANTS = [
       "v_all = jax.lax.all_gather(v,", "v_all = jax.lax.all_gather(k,",
       [f"{SEQ_EQ}[gpt2-seq=4-seq_attention=all_gather]"]),
     M("sp-allgather-drops-the-window", "sequence-parallel", CP,
-      "kw = dict(scale=scale, window=window)", "kw = dict(scale=scale)",
+      "kw: dict[str, Any] = dict(scale=scale, window=window)", "kw: dict[str, Any] = dict(scale=scale)",
       ["tests/test_families.py::test_import_matches_transformers[gemma3-sa]"]),
     M("sp-ulysses-drops-the-scale", "sequence-parallel", CP,
       "to_heads(v), kernel, q_pos=pos, k_pos=pos, scale=scale,", "to_heads(v), kernel, q_pos=pos, k_pos=pos,",
       ["tests/test_families.py::test_import_matches_transformers[gemma3-su]"]),
     M("sp-ulysses-drops-the-window", "sequence-parallel", CP,
-      "window=window)\n    return jax.lax.all_to_all(out,", "window=None)\n    return jax.lax.all_to_all(out,",
+      "window=window,\n                    q_seg=seg, k_seg=seg)",
+      "window=None,\n                    q_seg=seg, k_seg=seg)",
       ["tests/test_families.py::test_import_matches_transformers[gemma3-su]"]),
 
     # -- Megatron sequence parallelism -------------------------------------------------------------------
@@ -338,7 +341,7 @@ MUTANTS = [
       "grads = jax.tree.map(lambda g: g / k, grads)", "grads = jax.tree.map(lambda g: g, grads)",
       ["tests/test_equivalence.py::test_gradient_accumulation[gpt2]"]),
     M("ga-loss-last-microstep", "grad-accum", "jaxpar/trainer.py",
-      "return jnp.mean(losses), jax.tree.map", "return losses[-1], jax.tree.map",
+      "return jnp.mean(losses), aux, grads", "return losses[-1], aux, grads",
       ["tests/test_equivalence.py::test_gradient_accumulation[gpt2]"]),
     M("ga-microbatch-rows-contiguous", "grad-accum", "jaxpar/trainer.py",
       "x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)",
@@ -466,4 +469,41 @@ MUTANTS = [
     M("mm-flops-all-experts", "memory-model", "jaxpar/flops.py",
       "cfg.moe.top_k * per_mlp * d", "cfg.moe.n_experts * per_mlp * d",
       ["tests/test_flops.py::test_moe_counts_active_experts_only"]),
+
+    # -- packed documents (data.packing=documents) ------------------------------------------------------
+    M("doc-segment-mask-dropped", "documents", "jaxpar/layers/attention_ops.py",
+      "return ok if q_seg is None else ok & same_segment(q_seg, k_seg)", "return ok",
+      [f"{DOCS_EQ}[llama_gqa-1-device]"]),
+    M("doc-rope-stream-positions", "documents", "jaxpar/layers/attention.py",
+      "self._qkv(x, positions if doc_positions is None else doc_positions, window)", "self._qkv(x, positions, window)",
+      [f"{DOCS_EQ}[llama_gqa-1-device]"],
+      equivalent="RoPE's scores depend on q_pos - k_pos only, and inside a document (the only pairs the segment mask "
+                 "keeps) the difference of stream positions is the difference of document positions; restarting "
+                 "RoPE per document changes round-off, not the math (learned positions do change: the next mutant)"),
+    M("doc-learned-stream-positions", "documents", "models/gpt.py",
+      "tokens, positions if doc_positions is None else\n", "tokens, positions if True else\n",
+      [f"{DOCS_EQ}[gpt2-seq=2-data=2-seq_attention=ring]"]),
+    M("doc-ring-low-keys-query-segments", "documents", CP,
+      "lo_seg = None if k_seg is None else k_seg[:, lo]", "lo_seg = None if k_seg is None else q_seg[:, lo]",
+      [f"{DOCS_EQ}[llama_gqa-seq=2-tensor=2-seq_attention=ring]"]),
+    M("doc-ulysses-local-segments", "documents", CP,
+      "seg = None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)\n    out",
+      "seg = None if seg is None else jnp.tile(seg, (1, jax.lax.axis_size(axis)))\n    out",
+      [f"{DOCS_EQ}[llama_gqa-seq=2-tensor=2-seq_attention=ulysses]"]),
+    M("doc-pipeline-rows-of-first-microbatch", "documents", PIPE,
+      "run_group(p_leaves, x, repeat, _take(rws, k % m_))", "run_group(p_leaves, x, repeat, _take(rws, 0))",
+      [f"{DOCS_EQ}[gpt2-pipe=2-data=2-microbatches=2]"]),
+    M("doc-1f1b-backward-rows-of-first-microbatch", "documents", PIPE,
+      "bm_rows = _take(rws, bmm)", "bm_rows = _take(rws, 0)",
+      [f"{DOCS_EQ}[llama_gqa-pipe=2-pipeline_schedule=1f1b-microbatches=4]"]),
+    M("doc-accum-own-denominators", "documents", "jaxpar/trainer.py",
+      'denominator = jnp.sum(batch["weights"].astype(jnp.float32)) / k if "weights" in batch else None',
+      "denominator = None",
+      ["tests/test_documents.py::test_weighted_loss_is_the_global_mean_over_trained_tokens"]),
+    M("doc-pipeline-share-of-whole", "documents", "models/gpt.py",
+      '"loss_denominator": tgt["weights"].shape[0] / b}', '"loss_denominator": 1.0}',
+      [f"{DOCS_EQ}[llama_gqa-pipe=2-pipeline_schedule=1f1b-microbatches=4]"]),
+    M("doc-eval-mean-of-batch-means", "documents", "jaxpar/metrics.py",
+      "np.average(losses, weights=weights) if", "np.mean(losses) if",
+      ["tests/test_documents.py::test_validation_loss_is_the_mean_over_trained_tokens"]),
 ]

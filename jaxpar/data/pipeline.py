@@ -53,7 +53,7 @@ class Rows(Protocol):
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, ids: Any) -> np.ndarray: ...
+    def __getitem__(self, ids: Any) -> np.ndarray | dict[str, np.ndarray]: ...
 
 
 def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
@@ -71,8 +71,12 @@ def pack(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return np.lib.stride_tricks.sliding_window_view(tokens, seq_len + 1)[::seq_len][:n]
 
 
-def split_rows(x: np.ndarray) -> dict[str, np.ndarray]:
-    """``{inputs: rows[:, :-1], targets: rows[:, 1:]}`` (contiguous copies)."""
+def split_rows(x: np.ndarray | dict) -> dict[str, np.ndarray]:
+    """``{inputs: rows[:, :-1], targets: rows[:, 1:]}`` (contiguous copies); rows of packed documents
+    (:class:`jaxpar.data.packing.DocumentRows`) come as that dict already, with their segment ids,
+    positions and weights, and pass through."""
+    if isinstance(x, dict):
+        return x
     return {"inputs": np.ascontiguousarray(x[:, :-1]), "targets": np.ascontiguousarray(x[:, 1:])}
 
 

@@ -19,8 +19,10 @@ uses that ``tokenizer.json``. The store keeps the tokenizer beside the tokens.
 
 **Streaming, all cores, bounded memory.** Documents are read one at a time and encoded in batches of
 about ``--batch-mb`` megabytes of text (the Rust tokenizer spreads a batch over every core); the ids
-are appended to the open shard file, which closes once it holds ``--shard-tokens`` tokens. Peak
-memory is a batch, not the corpus.
+are appended to the open shard file, which closes once it holds ``--shard-tokens`` tokens (where
+each document starts goes beside it, for ``data.packing=documents``). Peak memory is a batch, not
+the corpus. Chat conversations (``--chat HF_DIR``, :func:`jaxpar.data.chat.prepare_store`) are stored
+with their loss masks (assistant turns) by :func:`prepare_tokenized`.
 
 **Resumable.** After each closed shard ``progress.json`` records the input position and the shards
 so far. Running the same command again after an interruption continues from there (the
@@ -32,6 +34,7 @@ never leaves a folder that training reads as a store.
 it resumes; finished: the summary). A file, another store or any other non-empty folder is refused
 and left as it was. An input error (a bad JSON line, a missing field) removes the unfinished store
 it interrupted: once the input is corrected it is another input, which could not resume it.
+Long by design: the streaming, resumable preparer and its command line.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.data import chat
 from jaxpar.data import store as st
 from jaxpar.data.corpus import iter_documents
+from jaxpar.data.chat import prepare_tokenized as prepare_tokenized  # pre-tokenized documents (chat)
 from jaxpar.data.store import write_stream_store as write_stream_store  # re-exported: tests/helpers.py
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, document, encode_many
 
@@ -234,7 +239,7 @@ class Preparer:
 
     def _discard(self, created: bool) -> None:
         """Remove what preparing wrote into ``--out`` (and the folder, if this run made it)."""
-        ours = re.compile(rf"({'|'.join(st.SPLITS)})-\d{{5}}\.bin(\.tmp)?|{re.escape(st.PROGRESS)}|"
+        ours = re.compile(rf"({'|'.join(st.SPLITS)})-\d{{5}}(\.docs|\.mask)?\.bin(\.tmp)?|{re.escape(st.PROGRESS)}|"
                           rf"{re.escape(st.TOKENIZER_FILE)}|\.(progress|tokenizer|store)\.json\..*tmp")
         for f in self.out.iterdir():
             if ours.fullmatch(f.name) and f.is_file():
@@ -262,21 +267,22 @@ class Preparer:
         t0, text_bytes = time.perf_counter(), 0
         batch: list[str] = []
         cursors: list = []  # the input position after each document of the batch
+        starts: list[int] = []  # where each document's text begins in its ids (after the byte tokenizer's BYTE_SEP)
         batch_split, batch_bytes, batch_end = "train", 0, cursor
 
         def flush():
             """Encode the batch (in parallel) and append it; a full shard closes after a document."""
-            nonlocal batch, cursors, batch_bytes
+            nonlocal batch, cursors, starts, batch_bytes
             sp = splits[batch_split]
-            for ids, nxt in zip(encode_many(tok, batch), cursors):
+            for ids, nxt, start in zip(encode_many(tok, batch), cursors, starts):
                 ids = document(tok, ids) if tok.eos_id is not None else ids  # bytes: joined by BYTE_SEP
-                sp.writer.write(ids)
+                sp.writer.write(ids, starts=(start,))
                 sp.tokens += len(ids)
                 sp.documents += 1
                 if sp.writer.full():
                     sp.writer.close_shard()
                     self._save_progress(nxt, splits, tok_info)
-            batch, cursors, batch_bytes = [], [], 0
+            batch, cursors, starts, batch_bytes = [], [], [], 0
 
         with _progress_bar(self.progress, self.total - start_bytes) as bar:
             for split, text, nxt in self.documents(cursor):
@@ -285,8 +291,9 @@ class Preparer:
                     splits[batch_split].writer.close_shard()
                     self._save_progress(batch_end, splits, tok_info)
                     batch_split = split
-                if tok.eos_id is None and (splits[split].documents or batch):
-                    text = BYTE_SEP + text
+                sep = tok.eos_id is None and bool(splits[split].documents or batch)
+                text = BYTE_SEP + text if sep else text
+                starts.append(len(BYTE_SEP) if sep else 0)  # the byte tokenizer: one id per byte
                 batch.append(text)
                 cursors.append(nxt)
                 n = len(text.encode("utf-8"))
@@ -378,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bpe-sample-mb", type=float, default=64.0, help="training text the BPE learns from")
     ap.add_argument("--batch-mb", type=float, default=4.0, help="text encoded per parallel batch")
     ap.add_argument("--verify", action="store_true", help="check an existing store's shards against their SHA-256")
+    ap.add_argument("--chat", metavar="HF_DIR", default="", help="inputs are .jsonl conversations, rendered and "
+                    "tokenised by this Hugging Face folder; loss masks on assistant turns (data.packing=documents)")
     args = ap.parse_args(argv)
     try:
         if args.verify:
@@ -390,9 +399,12 @@ def main(argv=None) -> int:
             return 0
         if not args.inputs:
             ap.error("name the inputs to prepare (files, globs or folders)")
-        prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                val_fraction=args.val_fraction, field=args.field, shard_tokens=args.shard_tokens,
-                bpe_sample_mb=args.bpe_sample_mb, batch_mb=args.batch_mb)
+        if args.chat:
+            chat.prepare_store(args.inputs, args.out, args.chat, args.val_fraction, args.shard_tokens)
+        else:
+            prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                    val_fraction=args.val_fraction, field=args.field, shard_tokens=args.shard_tokens,
+                    bpe_sample_mb=args.bpe_sample_mb, batch_mb=args.batch_mb)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

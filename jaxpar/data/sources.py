@@ -3,7 +3,9 @@
 A source is built with the ``row_slice`` of the global batch that this process feeds (derived from
 the batch sharding by the trainer) and offers ``next()`` (the next training batch, a dict of
 ``inputs``/``targets`` int32 ``[local rows, seq_len]``), ``state()``/``restore()`` (its position),
-and, for text, ``val`` (fixed validation batches) and ``tokenizer``.
+and, for text, ``val`` (fixed validation batches) and ``tokenizer``. Rows of packed documents
+(``data.packing=documents``, ``data.source=chat``) add ``segment_ids``, ``positions`` and ``weights``
+(:mod:`jaxpar.data.packing`). Long by design: every ``data.source`` is here behind that one interface.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +31,8 @@ class SyntheticBatches:
     val: list = []
 
     def __init__(self, cfg: Config, row_slice: slice):
-        self.source = SyntheticSource(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size)
+        self.source = SyntheticSource(cfg.train.seed, cfg.train.batch_size, cfg.model.seq_len, cfg.model.vocab_size,
+                                      documents=cfg.data.packing == "documents")
         self.row_slice, self.step = row_slice, 0
 
     def next(self) -> dict[str, np.ndarray]:
@@ -58,8 +62,10 @@ def cache_root(cache_dir: str = "") -> Path:
 def text_store(cfg: Config, log=print) -> Path:
     """The built-in corpus or ``data.path`` files as a token store, prepared on first use and cached.
 
-    The text is split (``data.val_fraction``), the tokenizer made (``data.tokenizer``), and each split
-    encoded as one document, exactly as before the store existed; the store lives under
+    The text is split (``data.val_fraction``), the tokenizer made (``data.tokenizer``), and each split's
+    documents (the plays, the files or records) encoded as ``prepare`` frames them (BOS, text, EOS; joined
+    by a blank line for the byte tokenizer), their starts recorded for ``data.packing=documents``; the
+    store lives under
     :func:`cache_root` (``stores/<source>-<key>``), keyed by the text of both splits (so by the files'
     contents, ``data.jsonl_field`` and ``data.val_fraction``), the tokenizer (its file, hence its
     vocabulary) and the store format, so a rerun (or another process on this host) opens it without
@@ -95,11 +101,13 @@ def text_store(cfg: Config, log=print) -> Path:
                               f"the next run rebuilds it")
         if not path.exists():
             t0 = time.perf_counter()
-            train_ids = tokenizer.encode_documents(tok, train_text)
-            val_ids = tokenizer.encode_documents(tok, val_text)
+            train_docs, val_docs = tokenizer.cut_documents(docs, len(train_text))  # the documents of each split
+            train_ids, train_starts = tokenizer.encode_documents_with_starts(tok, train_docs)
+            val_ids, val_starts = tokenizer.encode_documents_with_starts(tok, val_docs)
             text_bytes = len(train_text.encode()) + len(val_text.encode())
             store.write_stream_store(path, train_ids, val_ids, tok, {"key": key, "source": d.source,
-                                                                     "text_bytes": text_bytes})
+                                                                     "text_bytes": text_bytes},
+                                     train_starts, val_starts)
             log(f"data: {d.source}, {len(train_text):,} + {len(val_text):,} characters -> {len(train_ids):,} train / "
                 f"{len(val_ids):,} validation tokens ({len(train_text) / max(len(train_ids), 1):.2f} chars/token), "
                 f"tokenizer {d.tokenizer} with {tok.vocab_size} ids; tokenised in {time.perf_counter() - t0:.1f}s "
@@ -235,7 +243,32 @@ def _mixed_eval(vals: list, quotas: list[int], n_batches: int, row_slice: slice,
     return out
 
 
-class TokenBatches:
+class _Batches:
+    """A source whose batches are ``self.batches`` (:class:`~jaxpar.data.pipeline.PackedBatches` or a mixture)."""
+
+    batches: Any
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        return self.batches.batch_at(step)
+
+    @property
+    def step(self) -> int:
+        return self.batches.step
+
+    def advance(self) -> None:
+        self.batches.advance()
+
+    def next(self) -> dict[str, np.ndarray]:
+        return self.batches.next()
+
+    def state(self) -> dict:
+        return self.batches.state()
+
+    def restore(self, state: dict) -> None:
+        self.batches.restore(state)
+
+
+class TokenBatches(_Batches):
     """Training rows from token store(s) (``data.source=tokens``, or the built-in corpus and files
     through their cached store): memory-mapped, each process gathering only its rows."""
 
@@ -255,8 +288,16 @@ class TokenBatches:
         self.stores = stores
         self.tokenizer = stores[0].tokenizer()
         self.batches: MixedBatches | pipeline.PackedBatches
-        train = [s.rows("train", m.seq_len, m.vocab_size) for s in stores]
-        val = [s.rows("val", m.seq_len, m.vocab_size) for s in stores]
+        if d.packing == "documents":  # whole documents packed into rows (jaxpar.data.packing)
+            # a chat store's conversations (loss masks) are skipped when longer than a row, never cut (counted)
+            train: list[Any]
+            val: list[Any]
+            train, val = ([s.document_rows(split, m.seq_len, m.vocab_size, "skip" if s.has_masks else "split")
+                           for s in stores] for split in ("train", "val"))
+            log(f"data: documents packed into rows of {m.seq_len} tokens: {fill_line(train[0], val[0])}")
+        else:
+            train = [s.rows("train", m.seq_len, m.vocab_size) for s in stores]
+            val = [s.rows("val", m.seq_len, m.vocab_size) for s in stores]
         if d.mix:
             quotas = mix_quotas([w for _, w in entries], b)
             if min(quotas) < 1:
@@ -284,24 +325,70 @@ class TokenBatches:
                     f"for more)")
         self.train_rows = train
 
-    def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        return self.batches.batch_at(step)
 
-    @property
-    def step(self) -> int:
-        return self.batches.step
+def fill_line(train, val) -> str:
+    """One line on packed rows (:class:`~jaxpar.data.packing.DocumentRows`): documents, rows, fill rate."""
+    def one(rows, split):
+        p = rows.plan
+        skipped = p.skipped_long + p.skipped_short
+        return (f"{split} {p.documents:,} documents in {p.n_rows:,} rows, {100 * p.fill_rate:.1f}% filled"
+                + (f" ({skipped:,} skipped: {p.skipped_long:,} longer than a row, {p.skipped_short:,} under 2 "
+                   "tokens)" if skipped else ""))
 
-    def advance(self) -> None:
-        self.batches.advance()
+    return f"{one(train, 'train')}; {one(val, 'validation')}"
 
-    def next(self) -> dict[str, np.ndarray]:
-        return self.batches.next()
 
-    def state(self) -> dict:
-        return self.batches.state()
+class ChatBatches(_Batches):
+    """``data.source=chat``: the conversations of ``data.path`` (:mod:`jaxpar.data.chat`) rendered with the
+    model's chat template, only assistant turns trained, packed whole into rows (best fit); the last
+    ``data.val_fraction`` of them (at least one) is the validation split. Tokenised in memory at start;
+    for data at scale, ``python -m jaxpar.data.prepare --chat`` makes a token store once
+    (``data.source=tokens data.packing=documents``)."""
 
-    def restore(self, state: dict) -> None:
-        self.batches.restore(state)
+    def __init__(self, cfg: Config, row_slice: slice, log=print):
+        from jaxpar.data import chat, packing
+        from jaxpar.data.tokenizer import BPETokenizer
+
+        d, m, b = cfg.data, cfg.model, cfg.train.batch_size
+        if d.tokenizer in ("bpe", "byte"):
+            raise ConfigError(f"data.source=chat needs the model's own tokenizer (data.tokenizer=PATH of its "
+                              f"tokenizer.json, which model.init_from=hf:DIR sets), not data.tokenizer={d.tokenizer}")
+        self.tokenizer = BPETokenizer.load(d.tokenizer)
+        template = chat.ChatTemplate.from_hf_dir(chat.template_folder(cfg))
+        docs, report = chat.read_conversations(d.path, max_tokens=m.seq_len + 1, tok=self.tokenizer, template=template,
+                                               log=log, limit_name="model.seq_len + 1")
+        if len(docs) < 2:
+            raise ConfigError(f"data.path={d.path!r} holds {len(docs)} usable conversation(s); training and "
+                              "validation need at least 2")
+        n_val = min(len(docs) - 1, max(1, round(d.val_fraction * len(docs))))
+        splits = {"train": docs[:len(docs) - n_val], "val": docs[len(docs) - n_val:]}
+        rows = {}
+        for split, part in splits.items():
+            ids = np.concatenate([i for i, _ in part]).astype(np.int32)
+            masks = np.concatenate([k for _, k in part]).astype(np.uint8)
+            if ids.size and int(ids.max()) >= m.vocab_size:
+                raise ConfigError(f"data.tokenizer={d.tokenizer!r} gives ids up to {int(ids.max())} but "
+                                  f"model.vocab_size={m.vocab_size}")
+            lens = np.asarray([len(i) for i, _ in part], np.int64)
+            plan = packing.plan_rows(np.concatenate([[0], np.cumsum(lens)[:-1]]), lens, m.seq_len, "skip")
+            rows[split] = packing.DocumentRows(plan, _array_reader(ids), _array_reader(masks), m.vocab_size)
+        log(f"data: chat {d.path}: {report['conversations']:,} conversations, {report['trained_tokens']:,} of "
+            f"{report['tokens']:,} tokens trained (assistant turns); {fill_line(rows['train'], rows['val'])}")
+        self.batches = pipeline.PackedBatches(rows["train"], b, cfg.train.seed, row_slice)
+        if len(rows["val"]) < b:
+            log(f"note: the validation conversations fill {len(rows['val'])} row(s), fewer than one batch of "
+                f"train.batch_size={b}; no validation loss (raise data.val_fraction for one)")
+            self.val: list = []
+        else:
+            self.val = pipeline.eval_batches(rows["val"], b, cfg.train.eval_batches, row_slice)
+
+
+def _array_reader(a: np.ndarray):
+    """``read(start, out)`` over an in-memory stream (:class:`~jaxpar.data.packing.DocumentRows`' reader)."""
+    def read(start: int, out: np.ndarray) -> None:
+        out[:] = a[start:start + len(out)]
+
+    return read
 
 
 class Prefetched:
@@ -344,6 +431,9 @@ class Prefetched:
 def make_source(cfg: Config, row_slice: slice, log=print):
     if cfg.data.source == "synthetic":
         return SyntheticBatches(cfg, row_slice)
+    if cfg.data.source == "chat":
+        chat = ChatBatches(cfg, row_slice, log)
+        return Prefetched(chat, cfg.data.prefetch) if cfg.data.prefetch else chat
     path = text_store(cfg, log) if cfg.data.source in ("shakespeare", "files") else None
     source = TokenBatches(cfg, row_slice, log, str(path) if path else None)
     return Prefetched(source, cfg.data.prefetch) if cfg.data.prefetch else source

@@ -5,15 +5,23 @@ training's cache)::
 
     store.json          the index (written last: a folder without it is not a store)
     tokenizer.json      the BPE that produced the ids (absent for the byte tokenizer)
-    train-00000.bin     raw little-endian token ids (uint16 when the vocabulary fits, else uint32)
+    train-00000.bin       raw little-endian token ids (uint16 when the vocabulary fits, else uint32)
+    train-00000.docs.bin  int64 little-endian: where (in the split's stream) each document that starts
+                          in this shard starts, in order
+    train-00000.mask.bin  only in a store with loss masks (chat data): one uint8 per token, 1 where
+                          the token is trained (as a target)
     ...
-    val-00000.bin       the validation split, likewise
+    val-00000.bin         the validation split, likewise (with its .docs.bin, .mask.bin)
 
-``store.json`` holds the format version, the dtype, the tokenizer (kind, ids, end-of-text id), and
-per split the shards in order with their token count, largest id and SHA-256, plus document and
-token totals. A split's token stream is its shards concatenated; every document is followed by the
+``store.json`` holds the format version (2; version 1 had no ``.docs.bin`` files), the dtype, the
+tokenizer (kind, ids, end-of-text id), ``masks`` (whether the shards have ``.mask.bin`` files), and
+per split the shards in order with their token count, largest id, SHA-256, document count
+(``docs``) and the SHA-256 of the ``.docs.bin`` (and ``.mask.bin``), plus document and token
+totals. A split's token stream is its shards concatenated; every document is followed by the
 end-of-text id (by a blank line for the byte tokenizer), exactly as
-:func:`jaxpar.data.tokenizer.encode_documents` joins them.
+:func:`jaxpar.data.tokenizer.encode_documents` joins them. A document ends where the next starts
+(the last at the end of the split; offset 0 always starts one), so it may straddle shards; with the
+byte tokenizer a document starts at its text, and the blank line after it is its end.
 
 **Why memory-mapped arrays, not ArrayRecord/grain.** A training row of ``seq_len + 1`` tokens
 starts anywhere in the stream and straddles documents; with a raw array it is one slice of a
@@ -22,10 +30,11 @@ record format stores documents, so a row would decode every record it overlaps. 
 (``benchmarks/data.py``): gathering a random 32 x 257 batch from a 200 M-token store takes tens of
 microseconds; see the README for the numbers.
 
-**Rows.** :class:`StoreRows` is a split cut into rows exactly as :func:`jaxpar.data.pipeline.pack`
-cuts an in-memory stream (row ``i`` = tokens ``[i*L, i*L + L + 1)``), so
-:class:`~jaxpar.data.pipeline.PackedBatches` orders and shards it unchanged and a process reads
-only the rows of its share of each global batch.
+**Rows.** :meth:`TokenStore.rows` (:class:`~jaxpar.data.packing.StoreRows`) is a split cut into rows
+exactly as :func:`jaxpar.data.pipeline.pack` cuts an in-memory stream (row ``i`` = tokens ``[i*L, i*L
++ L + 1)``); :meth:`TokenStore.document_rows` packs its documents whole into rows
+(:mod:`jaxpar.data.packing`). :class:`~jaxpar.data.pipeline.PackedBatches` orders and shards either
+unchanged, and a process reads only the rows of its share of each global batch.
 
 Every problem with a store (missing, incomplete, a shard of the wrong size, an id beyond the
 vocabulary) raises :class:`~jaxpar.config.ConfigError` naming the file and what repairs it: a store
@@ -46,10 +55,12 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.data import packing
+from jaxpar.data.packing import StoreRows
 from jaxpar.data.tokenizer import ByteTokenizer
 
 FORMAT = "jaxpar-token-store"
-VERSION = 1
+VERSION = 2  # 2: document boundaries (.docs.bin) and optional loss masks (.mask.bin); 1 is still read, as a stream
 INDEX = "store.json"
 PROGRESS = "progress.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -65,6 +76,16 @@ def shard_name(split: str, k: int) -> str:
     return f"{split}-{k:05d}.bin"
 
 
+def docs_name(shard: str) -> str:
+    """The document boundaries beside the shard ``shard`` (``train-00000.bin`` -> ``train-00000.docs.bin``)."""
+    return shard[:-len(".bin")] + ".docs.bin"
+
+
+def mask_name(shard: str) -> str:
+    """The loss mask beside the shard ``shard`` (``train-00000.bin`` -> ``train-00000.mask.bin``)."""
+    return shard[:-len(".bin")] + ".mask.bin"
+
+
 def file_sha256(path: Path, block: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -74,51 +95,80 @@ def file_sha256(path: Path, block: int = 1 << 22) -> str:
 
 
 class ShardWriter:
-    """Appends token arrays to ``<split>-NNNNN.bin`` files, closing a shard once it holds
-    ``shard_tokens`` tokens (only between documents, so shards end on document boundaries)."""
+    """Appends token arrays to ``<split>-NNNNN.bin`` files (with their ``.docs.bin`` and, with ``masks``,
+    ``.mask.bin``), closing a shard once it holds ``shard_tokens`` tokens (only between documents, so
+    shards end on document boundaries)."""
 
-    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int, shards: list | None = None):
+    def __init__(self, root: Path, split: str, dtype: np.dtype, shard_tokens: int, shards: list | None = None,
+                 masks: bool = False):
         self.root, self.split, self.dtype, self.shard_tokens = root, split, np.dtype(dtype), int(shard_tokens)
-        self.shards = list(shards or [])  # finished shards: {"file", "tokens", "max_id", "sha256"}
-        self._f: BinaryIO | None = None
-        self._hash: Any = None
+        self.shards = list(shards or [])  # finished: {"file", "tokens", "max_id", "sha256", "docs", "docs_sha256"}
+        self.masks = bool(masks)
+        self.position = sum(int(s["tokens"]) for s in self.shards)  # where the open shard starts in the stream
+        self._files: list[BinaryIO] = []  # the open shard's tokens (and mask) files
+        self._hashes: list[Any] = []
+        self._docs: list[int] = []
         self._tokens, self._max = 0, -1
 
     @property
     def open_tokens(self) -> int:
         return self._tokens
 
-    def write(self, ids: np.ndarray) -> None:
-        if self._f is None:
-            name = shard_name(self.split, len(self.shards))
-            self._f = open(self.root / (name + ".tmp"), "wb")
-            self._hash, self._tokens, self._max = hashlib.sha256(), 0, -1
-        f = self._f
+    def _names(self) -> list[str]:
+        name = shard_name(self.split, len(self.shards))
+        return [name, mask_name(name)] if self.masks else [name]
+
+    def write(self, ids: np.ndarray, mask: np.ndarray | None = None, starts=()) -> None:
+        """Append ``ids`` (with masks: and ``mask``, one byte per id); documents begin at the offsets
+        ``starts`` of ``ids``."""
+        if not self._files:
+            self._files = [open(self.root / (n + ".tmp"), "wb") for n in self._names()]
+            self._hashes = [hashlib.sha256() for _ in self._files]
+            self._tokens, self._max, self._docs = 0, -1, []
+        self._docs.extend(self.position + self._tokens + int(k) for k in starts)
+        parts = [np.asarray(ids).astype(self.dtype, copy=False)]
+        if self.masks:
+            if mask is None or len(mask) != len(ids):
+                raise ValueError(f"a store with loss masks needs one mask byte per token ({len(ids)} tokens)")
+            parts.append(np.asarray(mask).astype(np.uint8, copy=False))
         if len(ids):
-            b = np.asarray(ids).astype(self.dtype, copy=False).tobytes()
-            f.write(b)
-            self._hash.update(b)
+            for f, h, a in zip(self._files, self._hashes, parts):
+                b = a.tobytes()
+                f.write(b)
+                h.update(b)
             self._tokens += len(ids)
             self._max = max(self._max, int(np.max(ids)))
 
     def full(self) -> bool:
-        return self._f is not None and self._tokens >= self.shard_tokens
+        return bool(self._files) and self._tokens >= self.shard_tokens
 
     def close_shard(self) -> bool:
         """Finish the open shard (fsync, rename into place); False if none was open or it was empty."""
-        if self._f is None:
+        if not self._files:
             return False
-        f, self._f = self._f, None
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        name = shard_name(self.split, len(self.shards))
+        files, self._files = self._files, []
+        for f in files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        names = self._names()
         if self._tokens == 0:
-            os.remove(self.root / (name + ".tmp"))
+            for n in names:
+                os.remove(self.root / (n + ".tmp"))
             return False
-        os.replace(self.root / (name + ".tmp"), self.root / name)
-        self.shards.append({"file": name, "tokens": self._tokens, "max_id": self._max,
-                            "sha256": self._hash.hexdigest()})
+        docs = np.asarray(self._docs, "<i8").tobytes()
+        with open(self.root / (docs_name(names[0]) + ".tmp"), "wb") as f:
+            f.write(docs)
+            f.flush()
+            os.fsync(f.fileno())
+        for n in (docs_name(names[0]), *names[::-1]):  # the token shard last
+            os.replace(self.root / (n + ".tmp"), self.root / n)
+        entry = {"file": names[0], "tokens": self._tokens, "max_id": self._max, "sha256": self._hashes[0].hexdigest(),
+                 "docs": len(self._docs), "docs_sha256": hashlib.sha256(docs).hexdigest()}
+        if self.masks:
+            entry["mask_sha256"] = self._hashes[1].hexdigest()
+        self.shards.append(entry)
+        self.position += self._tokens
         return True
 
 
@@ -138,29 +188,49 @@ def tokenizer_info(tok) -> dict:
             "eos_id": tok.eos_id}
 
 
-def write_stream_store(out: Path, train_ids: np.ndarray, val_ids: np.ndarray, tok, meta: dict) -> Path:
-    """A store of two in-memory token streams (one shard per split), written to a temporary folder and
-    renamed into place, so concurrent writers (processes on one host) are safe: the first one wins."""
-    if (out / INDEX).is_file():
-        return out
+def write_store(out: Path, tok, meta: dict, docs, shard_tokens: int, masks: bool = False) -> dict | None:
+    """A store of ``docs``, ``(split, ids, mask, starts)`` in stream order (the train split's, then the
+    validation split's; ``starts``: where documents begin in ``ids``; ``mask``: with ``masks``, one byte
+    per id), written in a temporary folder beside ``out`` and renamed into place, so ``out`` appears
+    whole or not at all. Its index, or None if another writer's copy took the place first."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     dtype = dtype_for(tok.vocab_size)
-    splits = {}
-    for name, ids in (("train", train_ids), ("val", val_ids)):
-        w = ShardWriter(tmp, name, dtype, len(ids) + 1)
-        w.write(ids)
-        w.close_shard()
-        splits[name] = {"shards": w.shards, "documents": 1, "tokens": int(len(ids))}
-    if not isinstance(tok, ByteTokenizer):
-        shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
-    write_index(tmp, dtype, tokenizer_info(tok), splits, meta)
     try:
+        writers = {s: ShardWriter(tmp, s, dtype, shard_tokens, masks=masks) for s in SPLITS}
+        for split, ids, mask, starts in docs:
+            writers[split].write(ids, mask, starts)
+            if writers[split].full():
+                writers[split].close_shard()
+        splits = {}
+        for name, w in writers.items():
+            w.close_shard()
+            splits[name] = {"shards": w.shards, "documents": sum(int(s["docs"]) for s in w.shards),
+                            "tokens": w.position}
+        if not isinstance(tok, ByteTokenizer):
+            shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
+        index = write_index(tmp, dtype, tokenizer_info(tok), splits, {**meta, "masks": bool(masks)})
         os.replace(tmp, out)
-    except OSError:  # another process renamed its copy first
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (out / INDEX).is_file():  # another process renamed its copy first
+            return None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return index
+
+
+def write_stream_store(out: Path, train_ids: np.ndarray, val_ids: np.ndarray, tok, meta: dict,
+                       train_docs=(0,), val_docs=(0,)) -> Path:
+    """A store of two in-memory token streams (one shard per split) whose documents begin at the offsets
+    ``train_docs`` / ``val_docs``; concurrent writers (processes on one host) are safe: the first one wins."""
+    if not (out / INDEX).is_file():
+        write_store(out, tok, meta, [("train", train_ids, None, train_docs), ("val", val_ids, None, val_docs)],
+                    max(len(train_ids), len(val_ids)) + 1)
     return out
 
 
@@ -216,9 +286,9 @@ def read_index(path: str | os.PathLike, what: str = "data.path", remedy: str = P
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ConfigError(f"{str(f)!r} is not a jaxpar token store index (its \"format\" is not {FORMAT!r}); "
                           f"{what} names a folder that `python -m jaxpar.data.prepare` wrote")
-    if index.get("version") != VERSION:
+    if index.get("version") not in (1, VERSION):
         raise ConfigError(f"token store {str(path)!r} has format version {index.get('version')}; this jaxpar "
-                          f"reads version {VERSION}: {remedy}")
+                          f"reads version 1: token streams, and version {VERSION}: with document boundaries; {remedy}")
     return index
 
 
@@ -237,20 +307,23 @@ class TokenStore:
         self.index = read_index(path, what, remedy)
         where = f"token store {str(self.root)!r}"
         self.label = f"{cache_of} (cached as {where})" if cache_of else where
+        self.version, self.has_masks = self.index["version"], bool(self.index.get("masks"))
         try:
             self.dtype = np.dtype(self.index["dtype"])
             tok = self.index["tokenizer"]
             self.n_ids, self.eos_id, self.tokenizer_kind = int(tok["vocab_size"]), tok.get("eos_id"), tok["kind"]
-            shards = [(s["file"], int(s["tokens"]), int(s["max_id"])) for split in SPLITS
-                      for s in self.index["splits"][split]["shards"]]
+            files = []  # (file, its size in bytes) of every shard, its boundaries and its mask
+            for s in (s for split in SPLITS for s in self.index["splits"][split]["shards"]):
+                files.append((s["file"], int(s["tokens"]) * self.dtype.itemsize))
+                files += [(docs_name(s["file"]), 8 * int(s["docs"]))] if "docs" in s else []
+                files += [(mask_name(s["file"]), int(s["tokens"]))] if self.has_masks else []
             self._counts = {sp: {k: int(self.index["splits"][sp][k]) for k in ("tokens", "documents")} for sp in SPLITS}
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{where}: its {INDEX} is corrupt (no valid {e}); {remedy}") from None
         if self.tokenizer_kind != "byte" and not (self.root / TOKENIZER_FILE).is_file():
             raise ConfigError(f"{where}: its {TOKENIZER_FILE} is missing; {remedy}")
-        for name, tokens, _ in shards:
+        for name, want in files:
             f = self.root / name
-            want = tokens * self.dtype.itemsize
             try:
                 size = f.stat().st_size
             except OSError:
@@ -301,72 +374,46 @@ class TokenStore:
             return "prepare the store again into a new --out with a larger --val-fraction (or more text)"
         return "prepare a larger corpus into a new --out"
 
-    def rows(self, split: str, seq_len: int, vocab_size: int) -> "StoreRows":
+    def rows(self, split: str, seq_len: int, vocab_size: int) -> StoreRows:
         return StoreRows(self, split, seq_len, vocab_size)
 
+    def reader(self, split: str, masks: bool = False) -> packing.ConcatReader:
+        """The token stream (or with ``masks``, the loss mask) of ``split``, read by memory map."""
+        shards = self.index["splits"][split]["shards"]
+        return packing.ConcatReader([self.root / (mask_name(s["file"]) if masks else s["file"]) for s in shards],
+                                    [int(s["tokens"]) for s in shards], np.uint8 if masks else self.dtype)
+
+    def corrupt(self, reader: packing.ConcatReader, pos: int, value: int, vocab_size: int) -> ConfigError:
+        """The error for token id ``value`` (>= ``vocab_size``) at ``pos`` of ``reader``'s stream: bit rot."""
+        shard = Path(reader.paths[reader.file_of(pos)]).name
+        return ConfigError(f"token store {str(self.root)!r}: shard {shard} is corrupt (token id {value} >= "
+                           f"model.vocab_size={vocab_size}, above the index's largest id); {self.remedy}")
+
+    def document_rows(self, split: str, seq_len: int, vocab_size: int, long: str = "split") -> packing.DocumentRows:
+        """The documents of ``split`` packed whole into rows of ``seq_len`` pairs (:mod:`jaxpar.data.packing`;
+        ``long``: a document longer than a row is ``split`` into pieces or ``skip``-ped)."""
+        if self.version < 2:
+            raise ConfigError(f"{self.label} predates document boundaries (format version 1, no .docs.bin files), "
+                              f"which data.packing=documents needs; {self.remedy}")
+        tokens = self.reader(split)
+        try:
+            shards = self.index["splits"][split]["shards"]
+            starts = [np.fromfile(self.root / docs_name(s["file"]), "<i8") for s in shards]
+            doc_starts, doc_lens = packing.document_spans(np.concatenate([*starts, []]), tokens.total)
+        except (KeyError, ValueError):
+            raise ConfigError(f"token store {str(self.root)!r}: the document boundaries of its {split} split "
+                              f"(.docs.bin files) are corrupt; {self.remedy}") from None
+        plan = packing.plan_rows(doc_starts, doc_lens, seq_len, long)
+        if plan.n_rows == 0:
+            fits = f" that fits a row (model.seq_len + 1 = {seq_len + 1} tokens)" if long == "skip" else ""
+            raise ConfigError(f"the {split} split of {self.label} holds no document of 2 tokens or more{fits}; "
+                              f"{self.more(split)}")
+        masks = self.reader(split, masks=True) if self.has_masks else None
+        return packing.DocumentRows(plan, tokens.read, masks.read if masks else None, vocab_size,
+                                    lambda pos, value: self.corrupt(tokens, pos, value, vocab_size))
+
     def verify(self) -> list[str]:
-        """Shards whose SHA-256 differs from the index (reads every byte)."""
-        return [s["file"] for sp in SPLITS for s in self.index["splits"][sp]["shards"]
-                if file_sha256(self.root / s["file"]) != s["sha256"]]
-
-
-class StoreRows:
-    """The rows ``[N, seq_len + 1]`` of one split, gathered on demand from the shards' memory maps.
-
-    Behaves like the int32 array :func:`~jaxpar.data.pipeline.pack` would return for the split's
-    token stream (``len``, ``shape``, ``ndim``, indexing by an int array or slice), but reads only
-    the rows asked for. ``tokens_read`` counts the tokens gathered so far.
-    """
-
-    ndim = 2
-
-    def __init__(self, store: TokenStore, split: str, seq_len: int, vocab_size: int):
-        self.store, self.split, self.seq_len, self.vocab_size = store, split, int(seq_len), int(vocab_size)
-        shards = store.index["splits"][split]["shards"]
-        self.files = [s["file"] for s in shards]
-        sizes = np.array([int(s["tokens"]) for s in shards], np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(sizes)])
-        total = int(self.starts[-1])
-        if total < seq_len + 1:
-            raise ConfigError(f"the {split} split of {store.label} has {total} tokens, fewer than one row of "
-                              f"model.seq_len + 1 = {seq_len + 1}; lower model.seq_len, or {store.more(split)}")
-        self.n = (total - 1) // self.seq_len
-        self.shape = (self.n, self.seq_len + 1)
-        self._maps: dict[int, np.memmap] = {}
-        self.tokens_read = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def _map(self, k: int) -> np.ndarray:
-        m = self._maps.get(k)
-        if m is None:
-            m = self._maps[k] = np.memmap(self.store.root / self.files[k], dtype=self.store.dtype, mode="r")
-        return m
-
-    def _read(self, start: int, out: np.ndarray) -> None:
-        """Tokens ``[start, start + len(out))`` of the split's stream into ``out``."""
-        k, pos, n = int(np.searchsorted(self.starts, start, side="right")) - 1, start, len(out)
-        while n:
-            off = pos - int(self.starts[k])
-            take = min(n, int(self.starts[k + 1]) - pos)
-            out[len(out) - n:len(out) - n + take] = self._map(k)[off:off + take]
-            pos, n, k = pos + take, n - take, k + 1
-
-    def __getitem__(self, ids) -> np.ndarray:
-        ids = np.arange(self.n)[ids] if isinstance(ids, slice) else np.asarray(ids)
-        scalar = ids.ndim == 0
-        ids = ids.reshape(-1).astype(np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.n):
-            raise IndexError(f"row index out of range [0, {self.n})")
-        out = np.empty((len(ids), self.seq_len + 1), np.int32)
-        for i, r in enumerate(ids):
-            self._read(int(r) * self.seq_len, out[i])
-        self.tokens_read += out.size
-        if out.size and int(out.max()) >= self.vocab_size:  # bit rot in a shard; the index said otherwise
-            bad = int(ids[np.nonzero(out.max(axis=1) >= self.vocab_size)[0][0]])
-            k = int(np.searchsorted(self.starts, bad * self.seq_len, side="right")) - 1
-            raise ConfigError(f"token store {str(self.store.root)!r}: shard {self.files[k]} is corrupt (token id "
-                              f"{int(out.max())} >= model.vocab_size={self.vocab_size}, above the index's largest id); "
-                              f"{self.store.remedy}")
-        return out[0] if scalar else out
+        """Files (shards, boundaries, masks) whose SHA-256 differs from the index (reads every byte)."""
+        files = [(name(s["file"]), s.get(key)) for sp in SPLITS for s in self.index["splits"][sp]["shards"]
+                 for name, key in ((str, "sha256"), (docs_name, "docs_sha256"), (mask_name, "mask_sha256"))]
+        return [f for f, sha in files if sha is not None and file_sha256(self.root / f) != sha]

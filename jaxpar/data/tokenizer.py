@@ -176,6 +176,39 @@ def encode_documents(tok: Tokenizer, docs: str | Sequence[str], sep: str = "\n\n
     return np.concatenate([document(tok, tok.encode(d)) for d in docs] or [np.zeros((0,), np.int32)])
 
 
+def encode_documents_with_starts(tok: Tokenizer, docs: str | Sequence[str],
+                                 sep: str = "\n\n") -> tuple[np.ndarray, np.ndarray]:
+    """``(encode_documents(tok, docs, sep), starts)``: the same stream, and where each document begins in
+    it (int64): at its first id (the BOS where the tokenizer adds one), or without an EOS token (bytes)
+    at its text, the ``sep`` before it ending the previous document as an EOS would."""
+    docs = [docs] if isinstance(docs, str) else list(docs)
+    if tok.eos_id is None:
+        lens = [len(d.encode("utf-8")) for d in docs]
+        gaps = np.arange(len(docs)) * len(sep.encode("utf-8"))
+        return encode_documents(tok, docs, sep), np.cumsum([0, *lens[:-1]], dtype=np.int64)[:len(docs)] + gaps
+    parts = [document(tok, ids) for ids in encode_many(tok, docs)]
+    starts = np.cumsum([0, *(len(p) for p in parts[:-1])], dtype=np.int64)[:len(docs)]
+    return np.concatenate(parts or [np.zeros((0,), np.int32)]), starts
+
+
+def cut_documents(docs: str | Sequence[str], cut: int, sep: str = "\n\n") -> tuple[list[str], list[str]]:
+    """The documents of ``text[:cut]`` and of ``text[cut:]``, ``text = sep.join(docs)`` (the train and
+    validation text of :func:`~jaxpar.data.corpus.split_train_val`): ``sep.join`` of each list is that
+    text. A document the cut falls in is cut in two; a cut in a separator leaves its parts to the
+    documents on either side."""
+    docs = [docs] if isinstance(docs, str) else list(docs)
+    pos = 0  # where docs[i] begins in text
+    for i, d in enumerate(docs):
+        end = pos + len(d)
+        if pos <= cut <= end and (cut < end or i == len(docs) - 1):
+            return [*docs[:i], d[:cut - pos]], [d[cut - pos:], *docs[i + 1:]]
+        if end <= cut <= end + len(sep):  # in the separator after d (or at either of its ends)
+            k = cut - end
+            return [*docs[:i], d + sep[:k]], [sep[k:] + docs[i + 1], *docs[i + 2:]]
+        pos = end + len(sep)
+    raise ValueError(f"cut {cut} is beyond the text ({pos - len(sep)} characters)")
+
+
 def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
     """A generation prompt's ids as the tokenizer frames a text (its BOS first, if it adds one)."""
     return [int(i) for i in (*getattr(tok, "bos_ids", ()), *tok.encode(text))]

@@ -156,14 +156,18 @@ class Attention(nnx.Module):
             q, k = rope(q, pos, inv_freq=inv), rope(k, pos, inv_freq=inv)
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None, window=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None, window=None, *,
+                 segment_ids: jax.Array | None = None, doc_positions: jax.Array | None = None) -> jax.Array:
         """``x [B, T, d]``; ``positions [T]``: the tokens' global positions when they are not
         ``0..T-1`` in order (e.g. zig-zag ordered for ring attention), else None; ``window``: this layer's
         sliding window when the layers differ (a traced scalar; None: the module's). With ``seq`` > 1
-        attention runs context-parallel."""
+        attention runs context-parallel. Packed documents (``data.packing=documents``): ``segment_ids
+        [B, T]`` keep each token's attention inside its document and ``doc_positions [B, T]`` (each
+        token's position in its document, in the same order as ``x``) are RoPE's positions."""
         window = self._window(window)
-        q, k, v = self._qkv(x, positions, window)
-        out = sharded_attention(q, k, v, positions, self.kernel, scale=self.scale, window=window)
+        q, k, v = self._qkv(x, positions if doc_positions is None else doc_positions, window)
+        out = sharded_attention(q, k, v, positions, self.kernel, scale=self.scale, window=window,
+                                segment_ids=segment_ids)
         out = checkpoint_name(constrain(out, ("batch", "length", "act_heads", "act_head_dim")), "attention")
         return self.o(out)
 

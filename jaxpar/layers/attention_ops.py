@@ -18,7 +18,8 @@ head), causal on global positions, computed by one of these kernels (``model.att
 
 The causal mask has three forms: by index (``q_offset = 0``: query row i sees keys 0..i), shifted
 (query row i sees keys ``0..q_offset + i``: the local queries of an all-gathered sequence), or by
-explicit global positions (``q_pos``, ``k_pos``, any order; xla and cudnn only).
+explicit global positions (``q_pos``, ``k_pos``, any order; xla and cudnn only). Packed documents
+(``data.packing=documents``) add segment ids: a query sees the keys of its own document only.
 """
 
 from __future__ import annotations
@@ -80,14 +81,26 @@ def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0, inv_freq=No
     return out.astype(x.dtype)
 
 
-def _mask(t: int, s: int, q_offset=0, q_pos=None, k_pos=None, window=None) -> jax.Array:
+def _mask(t: int, s: int, q_offset=0, q_pos=None, k_pos=None, window=None, q_seg=None, k_seg=None) -> jax.Array:
     """``[T, S]``: query i may see key j (causal on global positions; within ``window`` positions of it,
-    itself included, when ``window`` > 0: a Python int or a traced scalar)."""
+    itself included, when ``window`` > 0: a Python int or a traced scalar); with segment ids ``q_seg
+    [B, T]``, ``k_seg [B, S]`` (packed documents) ``[B, T, S]``, and only within the query's document."""
     if q_pos is None:
         q_pos = q_offset + jnp.arange(t)
     if k_pos is None:
         k_pos = jnp.arange(s)
-    return in_window(q_pos[:, None], k_pos[None, :], window)
+    ok = in_window(q_pos[:, None], k_pos[None, :], window)
+    return ok if q_seg is None else ok & same_segment(q_seg, k_seg)
+
+
+def same_segment(q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """``[B, T, S]``: query i and key j belong to the same document (segment id)."""
+    return q_seg[:, :, None] == k_seg[:, None, :]
+
+
+def _heads(mask: jax.Array) -> jax.Array:
+    """A ``[T, S]`` or ``[B, T, S]`` mask broadcast against ``[B, KV, G, T, S]`` scores."""
+    return mask if mask.ndim == 2 else mask[:, None, None]
 
 
 def in_window(q_pos, k_pos, window=None):
@@ -100,18 +113,20 @@ def in_window(q_pos, k_pos, window=None):
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array | None = None,
-                     k_pos: jax.Array | None = None, q_offset=0, *, scale=None, window=None) -> jax.Array:
+                     k_pos: jax.Array | None = None, q_offset=0, *, scale=None, window=None, q_seg=None,
+                     k_seg=None) -> jax.Array:
     """The reference (``xla``) kernel: softmax attention with a causal mask, float32 scores and softmax.
 
     ``q [B, T, H, D]``, ``k, v [B, S, KV, D]`` with ``H % KV == 0``; the mask compares global
     positions (default: query i at ``q_offset + i``, key j at j), within a sliding ``window`` when one
-    is given. Scores are scaled by ``scale`` (default ``1/sqrt(D)``). Returns ``[B, T, H, D]``.
+    is given, and segment ids ``q_seg [B, T]``, ``k_seg [B, S]`` when given (a query sees its own
+    document only). Scores are scaled by ``scale`` (default ``1/sqrt(D)``). Returns ``[B, T, H, D]``.
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = f32_einsum("btkgd,bskd->bkgts", qg, k) * np.float32(_scale(scale, d))
-    scores = jnp.where(_mask(t, s, q_offset, q_pos, k_pos, window), scores, NEG)
+    scores = jnp.where(_heads(_mask(t, s, q_offset, q_pos, k_pos, window, q_seg, k_seg)), scores, NEG)
     p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = f32_einsum("bkgts,bskd->btkgd", p, v)
     return out.reshape(b, t, h, d).astype(q.dtype)
@@ -198,7 +213,7 @@ def _fits(kernel: str, t: int | None, s: int | None, platform: str) -> bool:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, q_offset=0,
               q_pos: jax.Array | None = None, k_pos: jax.Array | None = None, scale: float | None = None,
-              window=None) -> jax.Array:
+              window=None, q_seg: jax.Array | None = None, k_seg: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with ``kernel``
     (a choice of :data:`CHOICES`; ``auto`` is resolved here from the shapes).
 
@@ -206,7 +221,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
     or by explicit global positions ``q_pos [T]``, ``k_pos [S]``; and a sliding ``window`` (a query
     sees the keys less than ``window`` positions behind it; None or 0: all; a Python int, or a traced
     scalar, e.g. a per-layer value scanned with the weights, for xla and cudnn). Scores are scaled by
-    ``scale`` (default ``1/sqrt(D)``).
+    ``scale`` (default ``1/sqrt(D)``). Packed documents: segment ids ``q_seg [B, T]``, ``k_seg [B, S]``
+    keep each query inside its document (xla and cudnn: in the mask; pallas: the splash kernel's own
+    segment ids).
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -217,15 +234,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
             kernel = "xla"
     positions = q_pos is not None or k_pos is not None
     windowed = not (window is None or (_static_window(window) and window <= 0))
+    segs = dict(q_seg=q_seg, k_seg=k_seg)
     if kernel == "xla":
-        return causal_attention(q, k, v, q_pos, k_pos, q_offset, scale=scale, window=window)
+        return causal_attention(q, k, v, q_pos, k_pos, q_offset, scale=scale, window=window, **segs)
     if kernel == "cudnn":
-        plain = not positions and isinstance(q_offset, int) and q_offset == 0 and t == s
+        plain = not positions and isinstance(q_offset, int) and q_offset == 0 and t == s and q_seg is None
         if plain and windowed and _static_window(window):
             return jax.nn.dot_product_attention(q, k, v, scale=_scale(scale, d), is_causal=True,
                                                 local_window_size=(int(window) - 1, 0), implementation="cudnn")
         plain = plain and not windowed
-        mask = None if plain else _mask(t, s, q_offset, q_pos, k_pos, window)[None, None]
+        mask = None if plain else _mask(t, s, q_offset, q_pos, k_pos, window, q_seg, k_seg)
+        mask = None if mask is None else mask[None, None] if mask.ndim == 2 else mask[:, None]  # [B, 1, T, S]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=_scale(scale, d), is_causal=plain,
                                             implementation="cudnn")
     if kernel == "pallas":
@@ -243,13 +262,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
             if windowed:
                 raise ConfigError("model.attention=pallas: the Pallas GPU (Triton) flash kernel has no sliding "
                                   "window (model.sliding_window); use model.attention=cudnn or auto")
+            if q_seg is not None:
+                raise ConfigError("model.attention=pallas: the Pallas GPU (Triton) flash kernel has no segment ids "
+                                  "(data.packing=documents); use model.attention=cudnn or auto")
             return triton_attention(q, k, v, scale=_scale(scale, d))
         if s % 128:
             raise ConfigError(f"model.attention=pallas: the splash attention kernel tiles the keys in blocks of 128, "
                               f"and this attention has {s} keys (model.seq_len, or its share under parallel.seq); "
                               "choose a multiple of 128, or model.attention=auto / xla")
         return splash_attention(q, k, v, int(q_offset), interpret=platform != "tpu", scale=_scale(scale, d),
-                                window=int(window) if windowed else None)
+                                window=int(window) if windowed else None, q_seg=q_seg, k_seg=k_seg)
     raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {', '.join(CHOICES)}")
 
 
@@ -259,9 +281,10 @@ def _block(n: int) -> int:
 
 
 def splash_attention(q, k, v, q_offset: int = 0, *, interpret: bool = False, scale: float | None = None,
-                     window: int | None = None) -> jax.Array:
+                     window: int | None = None, q_seg=None, k_seg=None) -> jax.Array:
     """TPU splash attention (``jax.experimental.pallas.ops.tpu``), causal with a static offset (and a static
-    sliding ``window``); grouped-query natively (the kernel maps each query head to its KV head)."""
+    sliding ``window``); grouped-query natively (the kernel maps each query head to its KV head); packed
+    documents through the kernel's segment ids (``q_seg [B, T]``, ``k_seg [B, S]``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -275,7 +298,12 @@ def splash_attention(q, k, v, q_offset: int = 0, *, interpret: bool = False, sca
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
     kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, H, D] -> [B, H, T, D]
-    out = jax.vmap(kernel)(heads_first(q * np.asarray(_scale(scale, d), q.dtype)), heads_first(k), heads_first(v))
+    qs, ks, vs = heads_first(q * np.asarray(_scale(scale, d), q.dtype)), heads_first(k), heads_first(v)
+    if q_seg is None:
+        out = jax.vmap(kernel)(qs, ks, vs)
+    else:
+        out = jax.vmap(lambda q, k, v, a, b: kernel(q, k, v, segment_ids=sk.SegmentIds(q=a, kv=b)))(
+            qs, ks, vs, q_seg.astype(jnp.int32), k_seg.astype(jnp.int32))
     return heads_first(out).astype(q.dtype)
 
 

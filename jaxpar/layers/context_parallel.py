@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.layers.attention_ops import NEG, attention, in_window
+from jaxpar.layers.attention_ops import NEG, attention, in_window, same_segment
 from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules
 
@@ -74,15 +74,18 @@ def ring_schedule(n: int, zigzag: bool) -> list[list[tuple[str, str]]]:
 
 
 @functools.partial(jax.checkpoint, static_argnums=(6,))
-def _update(carry, q, k, v, q_pos, k_pos, scale, window=None):
+def _update(carry, q, k, v, q_pos, k_pos, scale, window=None, q_seg=None, k_seg=None):
     """Online-softmax update of (o, m, l) with one K/V block; q [B,Tq,KV,G,D], k/v [B,Tk,KV,D]; keys
-    outside the sliding ``window`` (when > 0) are masked like the causal future.
+    outside the sliding ``window`` (when > 0) or of another document (segment ids ``[B, Tq]``,
+    ``[B, Tk]``, when given) are masked like the causal future.
 
     Rematerialised: the backward recomputes the block's scores instead of keeping them for every
     ring step, so memory holds one ``[Tq, Tk]`` block at a time (as flash / ring attention do)."""
     o, m, l = carry
     s = f32_einsum("btkgd,bskd->bkgts", q, k) * scale
     mask = in_window(q_pos[:, None], k_pos[None, :], window)
+    if q_seg is not None:
+        mask = (mask & same_segment(q_seg, k_seg))[:, None, None]
     s = jnp.where(mask, s, NEG)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -103,12 +106,15 @@ def _set_rows(carry, part, sl):
     return o.at[:, sl].set(po), m.at[..., sl].set(pm), l.at[..., sl].set(pl)
 
 
-def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: float | None = None, window=None):
+def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: float | None = None, window=None,
+                   q_seg=None, k_seg=None):
     """Per-device ring attention (call inside shard_map). q [B,T,H,D], k/v [B,T,KV,D], pos [T].
 
     With a sliding ``window`` (> 0; a Python int or a traced scalar) a block whose every key is at
     least ``window`` positions behind every query is skipped (a ``lax.cond``: no work, only its hop),
-    so short windows do less work, not just more masking.
+    so short windows do less work, not just more masking. Likewise with packed documents (segment ids
+    ``q_seg``, ``k_seg [B, T]``; the keys' travel with them): a block in which no query shares a
+    document with a visible key is skipped, so short documents do less work.
 
     Communication overlaps computation: each K/V block is passed on to the next device *before*
     it is used, so the ``ppermute`` of step s+1's block runs while step s's block is computed (the
@@ -127,49 +133,66 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: flo
     lo, hi = slice(0, half), slice(half, t)
     perm = [(r, (r + 1) % n) for r in range(n)]
 
-    def update(c, qg, k, v, qp, kp):  # a block; skipped when the window hides all of it
-        if window is None or (isinstance(window, int) and window <= 0):
-            return _update(c, qg, k, v, qp, kp, scale)
-        hidden = (window > 0) & (jnp.min(qp) - jnp.max(kp) >= window)
-        return jax.lax.cond(hidden, lambda c: c, lambda c: _update(c, qg, k, v, qp, kp, scale, window), c)
+    windowed = not (window is None or (isinstance(window, int) and window <= 0))
 
-    def block(s, carry, k, v, k_pos):
+    def update(c, qg, k, v, qp, kp, qs, ks):  # a block; skipped when the window or the documents hide all of it
+        if not windowed and qs is None:
+            return _update(c, qg, k, v, qp, kp, scale)
+        w = window if windowed else None
+        if qs is None:
+            hidden = (window > 0) & (jnp.min(qp) - jnp.max(kp) >= window)
+        else:  # no (query, key) pair of any row both visible and of one document
+            hidden = ~jnp.any(in_window(qp[:, None], kp[None, :], w) & same_segment(qs, ks))
+        return jax.lax.cond(hidden, lambda c: c, lambda c: _update(c, qg, k, v, qp, kp, scale, w, qs, ks), c)
+
+    def block(s, carry, k, v, k_pos, k_seg):
         """Combine the block of device (i - s) into the local output (skipping what the mask hides)."""
         j = (i - s) % n
+        lo_seg = None if k_seg is None else k_seg[:, lo]
+        hi_seg = None if q_seg is None else q_seg[:, hi]
         if zigzag:
             def low_keys(c):  # the sender's first chunk precedes both of our chunks
-                return update(c, qg, k[:, lo], v[:, lo], q_pos, k_pos[lo])
+                return update(c, qg, k[:, lo], v[:, lo], q_pos, k_pos[lo], q_seg, lo_seg)
 
             def high_queries(c):  # our second chunk follows both of the sender's chunks
-                part = update(_rows(c, hi), qg[:, hi], k, v, q_pos[hi], k_pos)
+                part = update(_rows(c, hi), qg[:, hi], k, v, q_pos[hi], k_pos, hi_seg, k_seg)
                 return _set_rows(c, part, hi)
 
             return jax.lax.cond(j < i, low_keys, high_queries, carry)
-        return jax.lax.cond(j < i, lambda c: update(c, qg, k, v, q_pos, k_pos), lambda c: c, carry)
+        return jax.lax.cond(j < i, lambda c: update(c, qg, k, v, q_pos, k_pos, q_seg, k_seg), lambda c: c, carry)
 
+    travel = (k, v, k_pos) if k_seg is None else (k, v, k_pos, k_seg)  # what each hop sends
     if n > 1:
-        incoming = jax.lax.ppermute((k, v, k_pos), axis, perm)  # first hop, in flight during the local block
-    carry = _update(carry, qg, k, v, q_pos, k_pos, scale, window)  # the local block (causal inside)
+        incoming = jax.lax.ppermute(travel, axis, perm)  # first hop, in flight during the local block
+    # the local block (causal inside)
+    carry = _update(carry, qg, k, v, q_pos, k_pos, scale, window, q_seg, k_seg)
+
+    def unpack(sent):
+        return sent if k_seg is not None else (*sent, None)
 
     def step(s, state):
         carry, block_kv = state
         onward = jax.lax.ppermute(block_kv, axis, perm)  # pass it on first; the next step needs it
-        return block(s, carry, *block_kv), onward
+        return block(s, carry, *unpack(block_kv)), onward
 
     if n > 1:
         carry, last = jax.lax.fori_loop(1, n - 1, step, (carry, incoming))
-        carry = block(n - 1, carry, *last)
+        carry = block(n - 1, carry, *unpack(last))
     o, _, l = carry
     out = o / jnp.moveaxis(l, -1, 1)[..., None]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None):
+def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None,
+                         seg=None):
     """Local queries over the gathered K/V: ``kernel``'s causal mask shifted by this device's first
-    position (by explicit positions when the tokens are not in order)."""
+    position (by explicit positions when the tokens are not in order); segment ids ``seg [B, T/N]``
+    (packed documents) gathered with the keys."""
     k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-    kw = dict(scale=scale, window=window)
+    kw: dict[str, Any] = dict(scale=scale, window=window)
+    if seg is not None:
+        kw.update(q_seg=seg, k_seg=jax.lax.all_gather(seg, axis, axis=1, tiled=True))
     if pos is not None:
         return attention(q, k_all, v_all, kernel, q_pos=pos, k_pos=jax.lax.all_gather(pos, axis, axis=0, tiled=True),
                          **kw)
@@ -181,20 +204,26 @@ def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float |
     return attention(q, k_all, v_all, kernel, q_offset=i * t, **kw)
 
 
-def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None):
-    """All-to-all from sequence-split to head-split, whole-sequence attention, and back."""
+def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None,
+                      seg=None):
+    """All-to-all from sequence-split to head-split, whole-sequence attention, and back (segment ids of
+    packed documents gathered over the sequence)."""
     def to_heads(x):  # [B, T/N, H, D] -> [B, T, H/N, D]
         return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
 
     pos = None if pos is None else jax.lax.all_gather(pos, axis, axis=0, tiled=True)
-    out = attention(to_heads(q), to_heads(k), to_heads(v), kernel, q_pos=pos, k_pos=pos, scale=scale, window=window)
+    seg = None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
+    out = attention(to_heads(q), to_heads(k), to_heads(v), kernel, q_pos=pos, k_pos=pos, scale=scale, window=window,
+                    q_seg=seg, k_seg=seg)
     return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float | None = None, window=None):
+def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float | None = None, window=None,
+                      segment_ids=None):
     """Causal attention of the global ``q [B,T,H,D]``, ``k, v [B,T,KV,D]`` under the active rules.
 
     ``positions [T]``: the tokens' global positions when they are not in order (zig-zag), else None.
+    ``segment_ids [B, T]``: packed documents (a query attends within its own document), else None.
     ``scale``: the scores' multiplier (default ``1/sqrt(D)``); ``window``: a sliding window (None or 0:
     none; a Python int, or a traced scalar such as a per-layer value).
     Without a multi-device mesh this is :func:`attention`; with one it runs in a ``shard_map`` over
@@ -205,23 +234,24 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
     if rules is None or mesh is None or not rules.manual_axes():
-        return attention(q, k, v, kernel, q_pos=positions, k_pos=positions, scale=scale, window=window)
+        return attention(q, k, v, kernel, q_pos=positions, k_pos=positions, scale=scale, window=window,
+                         q_seg=segment_ids, k_seg=segment_ids)
     strategy = rules.seq_attention
     if strategy is None:
-        def local(q, k, v, pos, window):
-            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos, scale=scale, window=window)
+        def local(q, k, v, pos, window, seg):
+            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos, scale=scale, window=window, q_seg=seg, k_seg=seg)
     elif strategy == "ring":
-        def local(q, k, v, pos, window):
+        def local(q, k, v, pos, window, seg):
             if pos is None:
                 t = q.shape[1]
                 pos = jax.lax.axis_index("seq") * t + jnp.arange(t)
             return ring_attention(q, k, v, pos, pos, axis="seq", zigzag=rules.parallel.seq_zigzag, scale=scale,
-                                  window=window)
+                                  window=window, q_seg=seg, k_seg=seg)
     elif strategy in STRATEGIES:
         cp = {"all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
 
-        def local(q, k, v, pos, window):
-            return cp(q, k, v, pos, axis="seq", kernel=kernel, scale=scale, window=window)
+        def local(q, k, v, pos, window, seg):
+            return cp(q, k, v, pos, axis="seq", kernel=kernel, scale=scale, window=window, seg=seg)
     else:
         raise ValueError(f"unknown seq attention strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     p = rules.params
@@ -234,6 +264,8 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
         specs, args = specs + (P(),), args + (jnp.asarray(window, jnp.int32),)
     if positions is not None:
         specs, args = specs + (p.spec(("length",)),), args + (positions,)
+    if segment_ids is not None:
+        specs, args = specs + (p.spec(("batch", "length")),), args + (segment_ids,)
     # check_vma=False: under vmap (pipeline stages) JAX 0.10's varying-axes check rejects the ring's
     # online-softmax loop, and fused kernels carry no varying-axes rules; every input and output is
     # split over the batch, sequence and head axes (nothing is replicated) and the only cross-device
@@ -242,9 +274,11 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
     # adds `pipe`), so the backward has no axis to sum a replicated input's gradient over
 
     def body(q, k, v, *rest):
-        w = rest[0] if traced_window else window
-        rest = rest[1:] if traced_window else rest
-        return local(q, k, v, rest[0] if rest else None, w)
+        rest = list(rest)
+        w = rest.pop(0) if traced_window else window
+        pos = rest.pop(0) if positions is not None else None
+        seg = rest.pop(0) if segment_ids is not None else None
+        return local(q, k, v, pos, w, seg)
 
     manual = rules.manual_axes()
     fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qs, axis_names=manual, check_vma=False)

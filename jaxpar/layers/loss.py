@@ -41,6 +41,11 @@ from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules
 
 
+# The fields of a batch of packed documents (data.packing=documents, jaxpar.data.packing), each [B, T]: which
+# document a token belongs to, its position in it, and its loss weight (0: not trained). A model's loss takes
+# them as keywords.
+DOC_KEYS = ("segment_ids", "positions", "weights")
+
 _MIN_CHUNKS = contextvars.ContextVar("jaxpar_loss_min_chunks", default=1)
 
 
@@ -65,27 +70,43 @@ def loss_chunks(batch: int, length: int, chunk_tokens: int, at_least: int = 1) -
 
 
 def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_size: int, *, layout: str, dtype,
-                       chunk_tokens: int) -> jax.Array:
+                       chunk_tokens: int, weights: jax.Array | None = None, denominator=None) -> jax.Array:
     """Mean cross-entropy of the logits ``x [B, T, d] @ w`` against ``targets [B, T]``; ``w`` is the
     ``[vocab, embed]`` table (``layout="vd"``, tied) or a ``[embed, vocab]`` head (``"dv"``), padded
     columns ``>= vocab_size`` masked. Under active rules ``x`` is the residual stream (split like
-    ``res_length``) and ``w`` in its compute layout (vocabulary over ``tensor``)."""
+    ``res_length``) and ``w`` in its compute layout (vocabulary over ``tensor``).
+
+    With loss ``weights [B, T]`` (float; 0 = not trained: prompts, padding) the loss is
+    ``sum(weights * ce) / denominator`` (a number or a traced scalar; default ``sum(weights)``): a
+    caller that splits a batch into parts (microbatches, gradient-accumulation microsteps) passes the
+    whole batch's trained tokens per part, so that the mean over parts is the whole batch's weighted
+    mean, whatever each part holds."""
     b, t, _ = x.shape
     n_tokens = b * t
+    if weights is not None:
+        if denominator is None:
+            denominator = jnp.sum(weights.astype(jnp.float32))
+        denominator = jnp.asarray(denominator, jnp.float32)
+        denominator = jnp.where(denominator > 0, denominator, 1.0)  # a batch with nothing trained: loss 0
+        labels: jax.Array | tuple = (targets, weights.astype(jnp.float32), denominator)
+    else:
+        labels = targets
     padded = w.shape[0 if layout == "vd" else 1] > vocab_size
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
     chunking = (chunk_tokens, _MIN_CHUNKS.get())
     if rules is None or mesh is None or not rules.manual_axes():
         kernel = _Kernel(vocab_size, padded, layout, dtype, chunking, n_tokens, (), (), False)
-        return _differentiable(kernel.__call__)(x, w, targets)
+        return _differentiable(kernel.__call__)(x, w, labels)
+    tokens_spec = rules.params.spec(("batch", "length"))
+    t_spec = tokens_spec if weights is None else (tokens_spec, tokens_spec, P())
     big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
     vocab_axes = tuple(a for a in rules.compute.axes("vocab") if mesh.shape[a] > 1)
     token_axes = tuple(dict.fromkeys(a for a in big(("batch", "length")) if a not in vocab_axes))
     kernel = _Kernel(vocab_size, padded, layout, dtype, chunking, n_tokens, vocab_axes, token_axes,
                      rules.megatron_sp)
     p = rules.params
-    x_spec, t_spec = p.spec(("batch", "res_length", "act_embed")), p.spec(("batch", "length"))
+    x_spec = p.spec(("batch", "res_length", "act_embed"))
     w_spec = rules.compute.spec(("vocab", "embed") if layout == "vd" else ("embed", "vocab"))
     manual = rules.manual_axes()
 
@@ -113,7 +134,7 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
 
         return run
 
-    return _differentiable(lambda x, w, t, grads=False: sharded(grads)(x, w, t))(x, w, targets)
+    return _differentiable(lambda x, w, t, grads=False: sharded(grads)(x, w, t))(x, w, labels)
 
 
 def _differentiable(run):
@@ -149,7 +170,12 @@ class _Kernel:
         return jax.lax.psum(v, axes) if axes else v
 
     def __call__(self, x, w, targets, grads: bool = False):
+        """``targets [B, T]``, or ``(targets, weights [B, T], denominator)`` (see :func:`head_cross_entropy`)."""
         x_dtype, w_dtype = x.dtype, w.dtype
+        if isinstance(targets, tuple):
+            targets, weights, denom = targets
+        else:
+            weights, denom = None, self.n_tokens
         if self.sp:  # Megatron-SP: the residual stream arrives split along the sequence over tensor
             x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
         b, t, d = x.shape
@@ -163,7 +189,7 @@ class _Kernel:
 
         def chunk(carry, xt):
             loss, dw = carry
-            xc, tc = xt
+            xc, tc, wc_ = xt
             xc = xc.astype(self.dtype)
             logits = f32_einsum(f"btd,{self.layout}->btv", xc, wc)
             if self.padded:  # (static: without padded columns no select, and no copy of the logits)
@@ -175,21 +201,24 @@ class _Kernel:
             mine = (local >= 0) & (local < local_vocab)
             picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)[..., 0]
             target = self._psum(jnp.where(mine, picked, 0.0), self.vocab_axes)
-            loss = loss + jnp.sum(jnp.log(s) + m - target)
+            ce = jnp.log(s) + m - target
+            loss = loss + jnp.sum(ce if wc_ is None else wc_ * ce)
             if not grads:
                 return (loss, dw), None
             # softmax from the log-sum-exp rather than from `e`: the exponentials are recomputed in this
             # fusion, so `e` is only ever a reduction's input and no third [tokens, vocab] buffer exists
             lse = m + jnp.log(s)
             hit = cols == tc[..., None]
-            dlogits = ((jnp.exp(logits - lse[..., None]) - hit) / self.n_tokens).astype(self.dtype)
+            d = jnp.exp(logits - lse[..., None]) - hit
+            dlogits = (d / denom if wc_ is None else d * (wc_ / denom)[..., None]).astype(self.dtype)
             dx = f32_einsum(f"btv,{self.layout}->btd", dlogits, wc)
             dw = dw + f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
             return (loss, dw), dx
 
         dw0 = jnp.zeros(w.shape, jnp.float32) if grads else None
-        (loss, dw), dx = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), dw0), (chunks(x), chunks(targets)))
-        loss = self._psum(loss, self.token_axes) / self.n_tokens
+        ws = None if weights is None else chunks(weights)
+        (loss, dw), dx = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), dw0), (chunks(x), chunks(targets), ws))
+        loss = self._psum(loss, self.token_axes) / denom
         if not grads:
             return loss
         assert dw is not None  # the scan accumulates it from dw0 when grads

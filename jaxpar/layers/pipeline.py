@@ -171,8 +171,8 @@ def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micr
     return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
 
 
-def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
-                  stages: int, repeats: int, microbatches: int, ys_weights=None):
+def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
+                  stages: int, repeats: int, microbatches: int, ys_weights=None, rows=None):
     """The loss of a pipelined model under GPipe (``repeats`` = 1) or the circular schedule, the
     embedding and the loss inside the pipeline; its gradient is JAX's (the scan's transpose).
 
@@ -195,7 +195,7 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
     head gradients and the loss summed over stages once.
     """
     s_, r_, m_ = stages, repeats, microbatches
-    b = tokens.shape[0]
+    b = _rows_in(tokens)
     mb = b // m_
     rules = _rules()
     leaves, treedef = jax.tree.flatten(params)
@@ -203,18 +203,19 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
     lg = leaves[0].shape[0] // (s_ * r_)  # layers per group
     has_ys = ys_weights is not None
     act = ("batch", "res_length", "act_embed")
-    x0 = jax.eval_shape(first_fn, outer, tokens[:mb])
+    x0 = jax.eval_shape(first_fn, outer, _first(tokens, mb))
+    rows_mb = _split_rows(rows, m_)
 
-    def run_group(group_leaves, x, repeat):  # the stage's layer group of this repeat
-        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(repeat * lg, lg))
+    def run_group(group_leaves, x, repeat, rows=None):  # the stage's layer group of this repeat
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(repeat * lg, lg), rows=rows)
 
     group = [jax.ShapeDtypeStruct((r_ * lg, *a.shape[1:]), a.dtype) for a in leaves]
     ys_shape = None
     if has_ys:
-        ys_shape = jax.eval_shape(lambda g, x: run_group(g, x, 0), group, x0)[1]
+        ys_shape = jax.eval_shape(lambda g, x, r: run_group(g, x, 0, r), group, x0, _take(rows_mb, 0))[1]
     perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
 
-    def local(p_leaves, o_leaves, toks, tgts):
+    def local(p_leaves, o_leaves, toks, tgts, rws):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
         s = jax.lax.axis_index("pipe")
         outer_ = jax.tree.unflatten(outer_def, o_leaves)
@@ -237,7 +238,7 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
             x = constrain(jnp.where(s == 0, c["buf"][t % m_], x), act)
 
             # bubble iterations too (on zeros; their results are never used: see the docstring)
-            y = run_group(p_leaves, x, repeat)
+            y = run_group(p_leaves, x, repeat, _take(rws, k % m_))  # the rows of this microbatch
             y, ys = y if has_ys else (y, None)
             if has_ys:
                 c["ys"] = jax.tree.map(lambda a, v: _put(a, a[repeat] + v.astype(jnp.float32) / m_, repeat, ok),
@@ -255,15 +256,16 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
         ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
         return loss[None], ys
 
-    def body(p_leaves, o_leaves, toks, tgts):
+    def body(p_leaves, o_leaves, toks, tgts, rws):
         with use_rules(rules.manual_pipe()):
-            return local(p_leaves, o_leaves, toks, tgts)
+            return local(p_leaves, o_leaves, toks, tgts, rws)
 
     stage_spec = [P("pipe")] * len(leaves)
     ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
-    fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(outer_leaves), P(), P()),
+    fn = jax.shard_map(body, mesh=rules.mesh,
+                       in_specs=(stage_spec, [P()] * len(outer_leaves), *map(_whole, (tokens, targets, rows_mb))),
                        out_specs=(P("pipe"), ys_spec), axis_names={"pipe"}, check_vma=False)
-    losses, ys = fn(leaves, outer_leaves, tokens, targets)
+    losses, ys = fn(leaves, outer_leaves, tokens, targets, rows_mb)
     loss = jnp.sum(losses)  # the last stage's (zeros elsewhere)
     if has_ys:
         loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
@@ -273,6 +275,34 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array,
 def _split_mb(a: jax.Array, m_: int, names) -> jax.Array:
     """``[B, ...] -> [M, B/M, ...]``: microbatch m = rows m, m+M, ... (each stays split over the batch axes)."""
     return constrain(a.reshape(a.shape[0] // m_, m_, *a.shape[1:]).swapaxes(0, 1), (None, *names))
+
+
+# Token inputs, targets and per-row inputs may be pytrees of [B, T] arrays (packed documents: segment ids,
+# positions, loss weights), sliced into microbatches alike.
+
+def _rows_in(tree) -> int:
+    return jax.tree.leaves(tree)[0].shape[0]
+
+
+def _first(tree, n: int):
+    """The first ``n`` rows of every leaf (for shapes)."""
+    return jax.tree.map(lambda a: a[:n], tree)
+
+
+def _split_rows(tree, m_: int):
+    """:func:`_split_mb` of every ``[B, T]`` leaf (None stays None)."""
+    return None if tree is None else jax.tree.map(lambda a: _split_mb(a, m_, ("batch", "length")), tree)
+
+
+def _take(tree, m):
+    """Microbatch ``m`` (traced) of every ``[M, ...]`` leaf (None stays None)."""
+    return None if tree is None else jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, 0, keepdims=False),
+                                                  tree)
+
+
+def _whole(tree):
+    """A ``shard_map`` spec replicating every leaf of ``tree`` over ``pipe``."""
+    return jax.tree.map(lambda _: P(), tree)
 
 
 def _batch_of(a: jax.Array, b: int, names) -> jax.Array:
@@ -340,8 +370,8 @@ def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
     return [i for i, v in enumerate(jaxpr.invars) if id(v) in read]
 
 
-def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, targets: jax.Array, *,
-                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1):
+def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
+                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1, rows=None):
     """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
 
     ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
@@ -388,7 +418,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     if r_ > 1 and m_ % s_:
         raise ValueError(f"interleaved 1F1B needs the microbatches ({m_}) to be a multiple of the stages ({s_})")
     k_ = stash_slots(s_, r_)
-    b = tokens.shape[0]
+    b = _rows_in(tokens)
     mb = b // m_
     rules = _rules()
     leaves, treedef = jax.tree.flatten(params)
@@ -398,24 +428,26 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
     n_iters = m_ * r_ + r_ * s_ + s_ - 2  # the last backward: _f1b_backward_at(M - 1, 0, 0)
     warm = r_ * s_ - 1  # iterations before the first backward (the last stage's, of microbatch 0)
 
-    def stage(group_leaves, x, r=0):  # chunk r of the stage's layers, each selected inside its remat
-        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(r * lg if r_ > 1 else 0, lg))
+    def stage(group_leaves, x, r=0, rows=None):  # chunk r of the stage's layers, each selected inside its remat
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(r * lg if r_ > 1 else 0, lg), rows=rows)
 
     def ys_cotangent(ys):
         return {k: jnp.full(y.shape, ys_weights.get(k, 0.0) / m_, y.dtype) for k, y in ys.items()}
 
-    x0 = jax.eval_shape(first_fn, outer, tokens[:mb])
-    first_used = _used_leaves(first_fn, outer_leaves, outer_def, tokens[:mb])
-    last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), targets[:mb])
+    x0 = jax.eval_shape(first_fn, outer, _first(tokens, mb))
+    first_used = _used_leaves(first_fn, outer_leaves, outer_def, _first(tokens, mb))
+    last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), _first(targets, mb))
     outer_used = sorted(set(first_used) | set(last_used))
     act = ("batch", "res_length", "act_embed")
     group = [jax.ShapeDtypeStruct((r_ * lg, *a.shape[1:]), a.dtype) for a in leaves]
-    ys_shape = jax.eval_shape(stage, group, x0)[1] if has_ys else None  # a stage's per-layer outputs
+    rows_mb = _split_rows(rows, m_)
+    ys_shape = (jax.eval_shape(lambda g, x, r: stage(g, x, 0, r), group, x0, _take(rows_mb, 0))[1] if has_ys
+                else None)  # a stage's per-layer outputs
     # interleaved: the last stage's chunk r feeds stage 0's chunk r + 1 (and its gradient goes back)
     fwd_perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
     bwd_perm = [(d, s) for s, d in fwd_perm]
 
-    def local(p_leaves, o_leaves, toks, tgts):
+    def local(p_leaves, o_leaves, toks, tgts, rws):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
         s = jax.lax.axis_index("pipe")
         outer_ = jax.tree.unflatten(outer_def, o_leaves)
@@ -445,10 +477,11 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             k = jnp.clip(t - s, 0, m_ * r_ - 1)
             f_ok = (t - s >= 0) & (t - s < m_ * r_)
             fm, fr = _f1b_unslot(k, s_, r_)
-            x = _when((s == 0) & (fr == 0), lambda c: first_fn(outer_, toks[fm]).astype(x0.dtype),
+            x = _when((s == 0) & (fr == 0), lambda c: first_fn(outer_, _take(toks, fm)).astype(x0.dtype),
                       lambda c: c["fwd"], c)
             x = constrain(x, act)
-            y, ys = stage(p_leaves, x, fr) if has_ys else (stage(p_leaves, x, fr), None)
+            y = stage(p_leaves, x, fr, _take(rws, fm))
+            y, ys = y if has_ys else (y, None)
             c["stash"] = _put(c["stash"], x, k % k_, f_ok)
             if has_ys:
                 c["ys"] = jax.tree.map(lambda a, v: a.at[fr].add(jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0)),
@@ -468,7 +501,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
             if y is None:  # no forward this iteration: not the last stage's turn
                 g = c["bwd"]
             else:
-                loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, tgts[bmm]),
+                loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, _take(tgts, bmm)),
                                     [o_leaves[i] for i in last_used], y)
                 d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
                 last_ok = last & b_ok
@@ -477,7 +510,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
                 g = jnp.where(last, dy.astype(x0.dtype), c["bwd"])
             x = jax.lax.dynamic_index_in_dim(c["stash"], _f1b_slot(bmm, br, s_, r_) % k_, 0, keepdims=False)
             # the chunk's forward again (its remat policy)
-            out, pullback = jax.vjp(lambda p, x: stage(p, x, br), p_leaves, x)
+            bm_rows = _take(rws, bmm)
+            out, pullback = jax.vjp(lambda p, x: stage(p, x, br, bm_rows), p_leaves, x)
             if has_ys:
                 dgroup, dx = pullback((constrain(g, act), ys_cotangent(out[1])))
             else:
@@ -519,8 +553,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         c = phase(c, warm, n_iters, True, True)
 
         def embed_grads(douter):  # stage 0: the embedding's weight gradients, over the whole batch at once
-            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), _batch_of(toks, b, ("batch", "length"))),
-                             [o_leaves[i] for i in first_used])
+            whole = jax.tree.map(lambda a: _batch_of(a, b, ("batch", "length")), toks)
+            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), whole), [o_leaves[i] for i in first_used])
             return add(douter, first_used, vjp(_batch_of(c["dins"], b, act))[0])
 
         douter = _when(s == 0, embed_grads, lambda d: d, c["douter"])
@@ -530,19 +564,19 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
         return jax.lax.psum(c["loss"], "pipe"), douter, c["dgroups"], ys
 
-    def run(p_leaves, o_leaves, tokens, targets):
+    def run(p_leaves, o_leaves, tokens, targets, rows):
         stage_spec = [P("pipe")] * len(p_leaves)
         ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
 
-        def body(p_leaves, o_leaves, toks, tgts):
+        def body(p_leaves, o_leaves, toks, tgts, rws):
             with use_rules(rules.manual_pipe()):
-                return local(p_leaves, o_leaves, toks, tgts)
+                return local(p_leaves, o_leaves, toks, tgts, rws)
 
-        fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(o_leaves), P(), P()),
+        split = [_split_rows(x, m_) for x in (tokens, targets, rows)]
+        fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(o_leaves), *map(_whole, split)),
                            out_specs=(P(), {i: P() for i in outer_used}, stage_spec, ys_spec),
                            axis_names={"pipe"}, check_vma=False)
-        tok = ("batch", "length")
-        loss, douter, dparams, ys = fn(p_leaves, o_leaves, _split_mb(tokens, m_, tok), _split_mb(targets, m_, tok))
+        loss, douter, dparams, ys = fn(p_leaves, o_leaves, *split)
         grads_outer = [douter[i].astype(a.dtype) if i in douter else jnp.zeros_like(a)
                        for i, a in enumerate(o_leaves)]
         if has_ys:
@@ -551,17 +585,17 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens: jax.Array, t
         return (loss, ys), (dparams, grads_outer)
 
     @jax.custom_vjp
-    def f(p_leaves, outer_leaves, tokens, targets):
+    def f(p_leaves, outer_leaves, tokens, targets, rows):
         return primal(jax.tree.unflatten(treedef, p_leaves), jax.tree.unflatten(outer_def, outer_leaves),
-                      tokens, targets)
+                      tokens, targets, rows)
 
     def f_bwd(grads, ct):
         g = ct[0]
         dparams, douter = grads
-        return [g * d for d in dparams], [g * d for d in douter], None, None
+        return [g * d for d in dparams], [g * d for d in douter], None, None, None
 
     f.defvjp(run, f_bwd)  # the forward computes the loss and the gradients, kept as residuals
-    loss, ys = f(leaves, outer_leaves, tokens, targets)
+    loss, ys = f(leaves, outer_leaves, tokens, targets, rows)
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
 
 

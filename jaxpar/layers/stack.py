@@ -25,6 +25,11 @@ Layers that differ in a value but not in their weights' shapes (Gemma 3's slidin
 layers: the window, the RoPE base) stay one stack: ``Stack(layers, per_layer={"window": [n]})`` scans
 the values (float32, in layer order; put in storage order here) with the weights, through the pipeline
 too, and calls each layer as ``layer(h, *args, window=w_i)``. Compile time stays flat in depth.
+
+Inputs that differ per batch row (packed documents' segment ids and positions, ``[B, T]``) are
+``Stack(layers, rows={"segment_ids": ..., ...})``: each layer gets them as keyword arguments, and
+through a pipeline each microbatch gets its own rows (the stage looks them up by the microbatch it
+runs, so they travel with it without crossing ``pipe``).
 """
 
 from __future__ import annotations
@@ -75,9 +80,10 @@ class Stack:
     """
 
     def __init__(self, layers: nnx.Module, *, remat: str = "none", outputs: bool = False, pipelined: bool = True,
-                 per_layer: dict | None = None):
+                 per_layer: dict | None = None, rows: dict | None = None):
         self.layers, self.remat, self.outputs, self.pipelined = layers, remat, outputs, pipelined
         self.per_layer = dict(per_layer or {})
+        self.rows = {k: v for k, v in (rows or {}).items() if v is not None}
 
     @staticmethod
     def create(make, n: int, rngs: nnx.Rngs, axis: str = "layers") -> nnx.Module:
@@ -124,16 +130,19 @@ class Stack:
         return leaf_axes(state[0]) + [("layers",)] * len(jax.tree.leaves(state[1]))
 
     def _stage_fn(self, graphdef, args):
-        """``(group_state, h) -> h`` (or ``(h, ys)``): a scan of the layers in ``group_state``."""
-        def body(h, layer_state):
-            if self.per_layer:
-                layer_state, values = layer_state
-                out = nnx.merge(graphdef, layer_state)(h, *args, **values)
-            else:
-                out = nnx.merge(graphdef, layer_state)(h, *args)
-            return out if self.outputs else (out, None)
+        """``(group_state, h, select=None, rows=None) -> h`` (or ``(h, ys)``): a scan of the layers in
+        ``group_state``, each given ``rows`` (a microbatch's; None: the stack's own) as keywords."""
+        def run(group, h, select=None, rows=None):
+            rows = self.rows if rows is None else rows
 
-        def run(group, h, select=None):
+            def body(h, layer_state):
+                if self.per_layer:
+                    layer_state, values = layer_state
+                    out = nnx.merge(graphdef, layer_state)(h, *args, **values, **rows)
+                else:
+                    out = nnx.merge(graphdef, layer_state)(h, *args, **rows)
+                return out if self.outputs else (out, None)
+
             if select is None:
                 h, ys = jax.lax.scan(rematerialise(body, self.remat), h, group)
             else:  # layers first .. first + count - 1 of `group`, each selected inside the remat
@@ -153,6 +162,9 @@ class Stack:
         pipe = self._stages()
         if pipe is None:
             return stage_fn(state, x)
+        if self.rows:
+            raise NotImplementedError("per-row inputs (packed documents) run through a pipeline in the training "
+                                      "loss (Stack.loss) only, not in a forward of the stack")
         s_, r_, m_ = pipe
         return pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs,
                         param_axes=self._axes(state))
@@ -162,7 +174,10 @@ class Stack:
         """The model's loss with the stack in between, in the layout's pipeline (needs ``pipe > 1``):
         ``first_fn(outer, tokens) -> x`` (the embedding, run on the first stage), the stack (``*args``
         passed to each layer), ``last_fn(outer, h, targets) -> mean loss`` (final norm, head, loss: run
-        on the last stage); ``outer`` the weights of both (a pytree, e.g. ``nnx.split`` state). With
+        on the last stage, on a microbatch or on the whole batch at once: the loss of the whole batch is
+        the mean over equal microbatches); ``tokens`` and ``targets`` may be pytrees of ``[B, ...]``
+        arrays, sliced into microbatches alike; ``outer`` the weights of both (a pytree, e.g. ``nnx.split``
+        state). With
         ``weights`` (a dict over the layers' outputs, which then need ``outputs=True``) the loss adds
         ``sum weight x sum over layers``. Returns ``(loss, outputs)``: the per-layer outputs averaged
         over microbatches (for metrics; None without ``weights``). GPipe and circular:
@@ -176,13 +191,15 @@ class Stack:
         if self.outputs and weights is None:
             weights = {}
 
-        def primal(p, o, tok, tgt):
+        rows = self.rows or None
+
+        def primal(p, o, tok, tgt, rws):
             return pipeline_loss(stage_fn, first_fn, last_fn, p, o, tok, tgt, stages=s_, repeats=r_, microbatches=m_,
-                                 ys_weights=weights)
+                                 ys_weights=weights, rows=rws)
 
         rules = active_rules()
         assert rules is not None and rules.parallel is not None  # _stages() checked them
         if rules.parallel.pipeline_schedule != "1f1b":
-            return primal(state, outer, tokens, targets)
+            return primal(state, outer, tokens, targets, rows)
         return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
-                           repeats=r_, primal=primal, ys_weights=weights)
+                           repeats=r_, primal=primal, ys_weights=weights, rows=rows)
