@@ -151,15 +151,24 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base frequency (of the global layers when model.rope_local_theta is set).",
                            range=ABOVE_ZERO)
     rope_scaling: str = _f("none", "RoPE frequency scaling of the global layers: none, linear (positions / "
-                                   "rope_factor) or llama3 (Llama 3.1: low frequencies / rope_factor, a smooth "
+                                   "rope_factor), llama3 (Llama 3.1: low frequencies / rope_factor, a smooth "
                                    "band between rope_low_freq_factor and rope_high_freq_factor of "
-                                   "rope_original_context).", ("none", "linear", "llama3"))
-    rope_factor: float = _f(8.0, "RoPE scaling factor (rope_scaling linear / llama3).", range=Range(1))
+                                   "rope_original_context) or yarn (YaRN: frequencies below rope_beta_slow "
+                                   "rotations over rope_original_context / rope_factor, above rope_beta_fast "
+                                   "kept, a ramp between; cos and sin times rope_attention_factor).",
+                           ("none", "linear", "llama3", "yarn"))
+    rope_factor: float = _f(8.0, "RoPE scaling factor (rope_scaling linear / llama3 / yarn).", range=Range(1))
+    rope_beta_fast: float = _f(32.0, "yarn RoPE scaling: frequencies of more rotations than this over "
+                                     "rope_original_context are kept.", range=ABOVE_ZERO)
+    rope_beta_slow: float = _f(1.0, "yarn RoPE scaling: frequencies of fewer rotations than this are divided by "
+                                    "rope_factor.", range=ABOVE_ZERO)
+    rope_attention_factor: float = _f(0.0, "yarn RoPE scaling: RoPE's cos and sin times this (so the scores times "
+                                           "its square); 0 = 0.1 ln(rope_factor) + 1.", range=NONNEGATIVE)
     rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: wavelengths above rope_original_context / this are "
                                           "divided by rope_factor.", range=ABOVE_ZERO)
     rope_high_freq_factor: float = _f(4.0, "llama3 RoPE scaling: wavelengths below rope_original_context / this are "
                                            "kept.", range=ABOVE_ZERO)
-    rope_original_context: int = _f(8192, "llama3 RoPE scaling: the context the model was pre-trained at.",
+    rope_original_context: int = _f(8192, "llama3 / yarn RoPE scaling: the context the model was pre-trained at.",
                                     range=POSITIVE)
     sliding_window: int = _f(0, "Sliding-window attention: a query sees the last this many positions (itself "
                                 "included); 0 = unlimited causal (Mistral: 4096; Gemma 3's local layers: 512-1024).",
@@ -186,6 +195,13 @@ class ModelConfig:
     param_dtype: str = _f("float32", "Dtype parameters are stored in.", ("float32", "bfloat16"))
     compute_dtype: str = _f("auto", "Dtype of matmuls: auto = float32 on CPU, bfloat16 on GPU/TPU.",
                             ("auto", "float32", "bfloat16"))
+
+    def yarn_attention_factor(self) -> float:
+        """YaRN's multiplier of RoPE's cos and sin: ``rope_attention_factor`` when set (> 0), else
+        ``0.1 ln(rope_factor) + 1`` (1 for a factor <= 1), as transformers' default."""
+        if self.rope_attention_factor > 0:
+            return float(self.rope_attention_factor)
+        return 1.0 if self.rope_factor <= 1 else 0.1 * math.log(self.rope_factor) + 1.0
 
     def resolved(self) -> "ModelConfig":
         """A copy with every style-dependent choice made explicit."""
@@ -307,10 +323,13 @@ class MoEConfig:
     dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused "
                                "by the capacity dispatch).")
     dispatch: str = _f("capacity", "How tokens reach their experts: capacity (slots of every expert, E x "
-                                   "capacity rows, all-to-all over expert) or sorted (dropless only: assignments "
-                                   "sorted by expert and run as a grouped matmul, compute ~ top_k x tokens; over "
-                                   "parallel.expert the rows move in all-to-all rounds of capacity_factor x the "
-                                   "balanced share).", ("capacity", "sorted"))
+                               "capacity rows, all-to-all over expert), sorted (dropless only: assignments "
+                               "sorted by expert and run as a grouped matmul, compute ~ top_k x tokens; over "
+                               "parallel.expert the rows move in all-to-all rounds of capacity_factor x the "
+                               "balanced share; every pipeline schedule), or auto (sorted when moe.dropless, else "
+                               "capacity: a dropless capacity dispatch computes every expert on every token, "
+                               "E/top_k x the expert flops, but at Mixtral 8x7B's size XLA:CPU's sorted program "
+                               "needs far more temporaries; see the README).", ("auto", "capacity", "sorted"))
     every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).",
                     range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)
@@ -326,10 +345,20 @@ class MoEConfig:
                                       "after every step, down for experts above the mean load, up for those "
                                       "below; 0 = off. DeepSeek-V3 used 0.001 (with moe.aux_loss_weight ~ 0).",
                                  range=NONNEGATIVE)
+    n_group: int = _f(1, "Group-limited routing (DeepSeek-V3): the experts form this many equal groups, each "
+                         "scored by the sum of its two best scores; 1 = off.", range=POSITIVE)
+    topk_group: int = _f(1, "With moe.n_group > 1: a token chooses its experts among its topk_group best groups.",
+                         range=POSITIVE)
+    routed_scaling_factor: float = _f(1.0, "The routed experts' gates (renormalised if moe.renormalize) times this "
+                                           "(DeepSeek-V3: 2.5).", range=ABOVE_ZERO)
     aux_loss_weight: float = _f(0.01, "Weight of the Switch load-balancing loss E * sum_i f_i P_i (summed over MoE "
                                       "layers).", range=NONNEGATIVE)
     z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).",
                               range=NONNEGATIVE)
+
+    def dispatch_path(self) -> str:
+        """The dispatch ``moe.dispatch`` runs: ``auto`` is sorted when dropless, else capacity."""
+        return ("sorted" if self.dropless else "capacity") if self.dispatch == "auto" else self.dispatch
 
 
 @dataclass
@@ -672,10 +701,18 @@ def validate(cfg: Config) -> None:
     validate_moe(cfg)
 
 
-SORTED_PIPE = ("moe.dispatch=sorted with parallel.pipe > 1 is not supported yet: the pipeline's forward without "
-               "the loss (sampling) runs its stages as a vmap, and JAX cannot batch the grouped matmul's loops "
-               "inside the layer's shard_map there; use moe.dispatch=capacity (with moe.dropless=true for no "
-               "drops) when pipelining")
+def check_groups(n_experts: int, top_k: int, groups: int, top_groups: int) -> None:
+    """Group-limited routing's shapes (:func:`jaxpar.layers.moe.route`), or a :class:`ConfigError` naming the keys."""
+    if groups < 1 or n_experts % groups:
+        raise ConfigError(f"moe.n_group={groups} must divide moe.n_experts={n_experts}")
+    if groups > 1 and n_experts // groups < 2:
+        raise ConfigError(f"moe.n_group={groups}: each group needs at least 2 experts (it is scored by its best "
+                          f"two); n_experts={n_experts} gives {n_experts // groups}")
+    if not 1 <= top_groups <= groups:
+        raise ConfigError(f"moe.topk_group={top_groups} must be between 1 and moe.n_group={groups}")
+    if top_k > top_groups * (n_experts // groups):
+        raise ConfigError(f"moe.top_k={top_k} is more than the {top_groups * (n_experts // groups)} experts of the "
+                          f"moe.topk_group={top_groups} groups a token may choose from")
 
 
 def validate_moe(cfg: Config) -> None:
@@ -692,11 +729,10 @@ def validate_moe(cfg: Config) -> None:
                           f"a multiple of {ep} or parallel.expert among {divisors}")
     if cfg.model.n_layers % e.every:
         raise ConfigError(f"moe.every={e.every} must divide model.n_layers={cfg.model.n_layers}")
+    check_groups(e.n_experts, e.top_k, e.n_group, e.topk_group)
     if e.dispatch == "sorted" and not e.dropless:
         raise ConfigError("moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true, or "
                           "moe.dispatch=capacity")
-    if e.dispatch == "sorted" and cfg.parallel.pipe > 1:
-        raise ConfigError(SORTED_PIPE)
 
 
 def config_table() -> str:

@@ -1,19 +1,20 @@
 """Hugging Face checkpoints in and out: the families of :mod:`jaxpar.families` (GPT-2, Llama 1-3.x, Mistral,
-Qwen2.5, Qwen3, Gemma 3, Mixtral).
+Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE).
 
 **Import.** ``python train.py model.init_from=hf:/path/to/dir ...`` starts a run from a local Hugging
 Face model directory (``config.json`` and ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``; nothing is downloaded). :mod:`jaxpar.hf_config` turns ``config.json`` into
-jaxpar keys (``model.*``, and ``moe.*`` for Mixtral), which :func:`jaxpar.config.load_config` applies
+jaxpar keys (``model.*``, and ``moe.*`` for the MoE families), which :func:`jaxpar.config.load_config` applies
 over the YAML file's: a command-line override that contradicts one is an error naming both values, and
-a ``config.json`` option jaxpar does not implement (YaRN RoPE scaling, biases in Llama attention,
+a ``config.json`` option jaxpar does not implement (dynamic RoPE scaling, biases in Llama attention,
 Gemma's soft-capping, router jitter, ...) is an error naming the field, never a silently different
 model. The import keeps what the checkpoint is: GPT-2's whole position table (``model.max_positions`` =
 ``n_positions``), while ``model.seq_len`` (default ``n_positions``, at most that) only limits the training
 context. Keys that are training choices stay the user's: ``model.seq_len``, dtypes, remat, the attention
-kernel. Mixtral imports as ``moe.dropless=true`` (what
+kernel. Mixtral and Qwen3-MoE import as ``moe.dropless=true`` (what
 Hugging Face computes) unless set, and ``moe.aux_loss_weight`` from ``router_aux_loss_coef`` (see
-:mod:`jaxpar.layers.moe` for the conversion). A ``tokenizer.json`` in the directory becomes
+:mod:`jaxpar.layers.moe` for the conversion); Qwen3-MoE's dense layers between its MoE ones
+(``decoder_sparse_step``) are ``moe.every``'s. A ``tokenizer.json`` in the directory becomes
 ``data.tokenizer`` unless an override names one.
 
 :func:`load_params` first checks the files against each other (:class:`jaxpar.hf_files.Safetensors`: an
@@ -45,7 +46,8 @@ softmax ignores (with RoPE or QK-norm after it, Qwen2.5's, it matters and is kep
 
 Long by design: the weight layouts, GPT-2's own table and one Llama-style table for every other family
 whose entries follow from the switches (Q/K/V biases, QK-norm weights, Gemma's sandwich norms;
-Mixtral's experts), both directions side by side (each import rule next to its export rule).
+the MoE families' experts, named by their family module's ``MOE_NAMES``; a MoE stack's dense and MoE
+layers), both directions side by side (each import rule next to its export rule).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import numpy as np
 
 from jaxpar.cli import SIZE, ArgumentParser, command
 from jaxpar.config import Config, ConfigError, ModelConfig
-from jaxpar.families import for_model
+from jaxpar.families import FAMILIES, for_model
 from jaxpar.hf_config import CLASSES, _arch, config_keys, directory, read_config
 from jaxpar.hf_files import (INDEX, SINGLE, ExportError, Safetensors, Target, protected, save, source_of,
                              special_tokens, target, write)
@@ -92,8 +94,8 @@ def hf_config(cfg: Config) -> dict:
     dtype = m.param_dtype
     hf.update({"model_type": fam.MODEL_TYPE, "architectures": [fam.CLASS], "torch_dtype": dtype, "dtype": dtype})
     hard, _ = config_keys(hf)
-    if m.arch == "moe":  # every layer is MoE: the dense width is unused, the experts' is moe.d_ff or it
-        del hard["model.d_ff"]
+    if m.arch == "moe" and hard["moe.every"] == 1:  # every layer MoE: the dense width is unused (the experts'
+        del hard["model.d_ff"]                          # is moe.d_ff or it)
     for key, want in hard.items():
         section, name = key.split(".")
         have = getattr(m if section == "model" else cfg.moe, name)
@@ -134,15 +136,28 @@ def _layer_prefix(arch: str, layer: int) -> str:
     return f"h.{layer}." if arch == "gpt2" else f"model.layers.{layer}."
 
 
-def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int) -> tuple[str, dict[tuple, Callable]]:
-    """``(stack, {path: fn(t)})``: the stacked subtree's path prefix and each parameter's builder."""
+def _stacks(m: ModelConfig, every: int) -> dict[tuple, tuple[bool, Callable[[int], int | list[int]]]]:
+    """The stacked subtrees: ``{path prefix: (moe, layers)}``; ``layers(g)`` is the Hugging Face layer of
+    stacked entry ``g``, or a list of them stacked on the next axis. A MoE model stacks groups of ``every``
+    layers (``moe.every``, :mod:`models.moe`): ``every - 1`` dense ones (``blocks/dense``), then the MoE one."""
+    if m.arch != "moe":
+        return {("blocks",): (False, lambda g: g)}
+    out: dict[tuple, tuple[bool, Callable[[int], int | list[int]]]] = {
+        ("blocks", "moe"): (True, lambda g: g * every + every - 1)}
+    if every > 1:
+        out[("blocks", "dense")] = (False, lambda g: [g * every + s for s in range(every - 1)])
+    return out
+
+
+def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> dict[tuple, Callable]:
+    """``{path: fn(t)}``: each parameter's builder of one layer, a dense or (``moe``) a MoE one."""
     d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     g = h // kv
     if arch == "gpt2":
         def c_attn(t):
             return t("attn.c_attn.weight").reshape(d, 3, h, hd).transpose(0, 2, 1, 3)
 
-        return "blocks", {
+        return {
             ("attn", "qkv", "kernel"): c_attn,
             ("attn", "q_bias"): lambda t: t("attn.c_attn.bias")[:d].reshape(h, hd),
             ("attn", "v_bias"): lambda t: t("attn.c_attn.bias")[2 * d:].reshape(h, hd),
@@ -170,36 +185,39 @@ def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int) -> tuple[str, dict[tup
         ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d)}
     for path, name in _decoder_extras(m).items():
         layer[path] = read(name, {"q_bias": (h, hd), "k_bias": (kv, hd), "v_bias": (kv, hd)}.get(path[-1]))
-    if arch != "mixtral":
+    if not moe:
         layer[("mlp", "up", "kernel")] = lambda t: np.stack([t("mlp.gate_proj.weight").T, t("mlp.up_proj.weight").T],
                                                             axis=1)
         layer[("mlp", "down", "kernel")] = lambda t: t("mlp.down_proj.weight").T
-        return "blocks", layer
-    # Mixtral: per-expert w1 (gate), w3 (up), w2 (down) as published, or transformers 5's fused layout
+        return layer
+    # the experts: per expert gate, up, down as published (the family's MOE_NAMES), or transformers 5's fused
+    # layout (the same names in every family)
+    block, gate, up, down = FAMILIES[arch].MOE_NAMES
 
     def expert(t, i: int, w: str):
-        return t(f"block_sparse_moe.experts.{i}.{w}.weight").T
+        return t(f"{block}.experts.{i}.{w}.weight").T
 
     def w_in(t):
         if t.has("mlp.experts.gate_up_proj"):
             gu = t("mlp.experts.gate_up_proj")  # [E, 2 ff, d]: gate rows, then up rows
             return gu.transpose(0, 2, 1).reshape(gu.shape[0], d, 2, gu.shape[1] // 2)
-        return np.stack([np.stack([expert(t, i, "w1"), expert(t, i, "w3")], axis=1) for i in range(n_experts)])
+        return np.stack([np.stack([expert(t, i, gate), expert(t, i, up)], axis=1) for i in range(n_experts)])
 
     def w_out(t):
         if t.has("mlp.experts.down_proj"):
             return t("mlp.experts.down_proj").transpose(0, 2, 1)
-        return np.stack([expert(t, i, "w2") for i in range(n_experts)])
+        return np.stack([expert(t, i, down) for i in range(n_experts)])
 
     def router(t):
-        return (t("mlp.gate.weight") if t.has("mlp.gate.weight") else t("block_sparse_moe.gate.weight")).T
+        return (t("mlp.gate.weight") if t.has("mlp.gate.weight") else t(f"{block}.gate.weight")).T
 
     layer.update({("mlp", "router"): router, ("mlp", "w_in"): w_in, ("mlp", "w_out"): w_out})
-    return "blocks/moe", layer
+    return layer
 
 
-def _to_hf(arch: str, m: ModelConfig, n_experts: int) -> dict[str, Callable]:
-    """``{layer-relative HF name: fn(p)}``, ``p(path)`` being one layer's jaxpar parameter."""
+def _to_hf(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> dict[str, Callable]:
+    """``{layer-relative HF name: fn(p)}`` of a dense or (``moe``) a MoE layer, ``p(path)`` being one layer's
+    jaxpar parameter."""
     d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     if arch == "gpt2":
         def c_attn_bias(p):
@@ -226,17 +244,29 @@ def _to_hf(arch: str, m: ModelConfig, n_experts: int) -> dict[str, Callable]:
            "self_attn.o_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d).T}
     for path, name in _decoder_extras(m).items():
         out[name] = lambda p, path=path: p(path).reshape(-1) if path[-1].endswith("_bias") else p(path)
-    if arch != "mixtral":
+    if not moe:
         out.update({"mlp.gate_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 0].T,
                     "mlp.up_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 1].T,
                     "mlp.down_proj.weight": lambda p: p(("mlp", "down", "kernel")).T})
         return out
-    out["block_sparse_moe.gate.weight"] = lambda p: p(("mlp", "router")).T
+    block, gate, up, down = FAMILIES[arch].MOE_NAMES
+    out[f"{block}.gate.weight"] = lambda p: p(("mlp", "router")).T
     for i in range(n_experts):
-        out[f"block_sparse_moe.experts.{i}.w1.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 0].T
-        out[f"block_sparse_moe.experts.{i}.w3.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 1].T
-        out[f"block_sparse_moe.experts.{i}.w2.weight"] = lambda p, i=i: p(("mlp", "w_out"))[i].T
+        out[f"{block}.experts.{i}.{gate}.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 0].T
+        out[f"{block}.experts.{i}.{up}.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 1].T
+        out[f"{block}.experts.{i}.{down}.weight"] = lambda p, i=i: p(("mlp", "w_out"))[i].T
     return out
+
+
+def _layer_kinds(m: ModelConfig, every: int) -> list[tuple[bool, tuple, tuple]]:
+    """Each Hugging Face layer's ``(moe, stack prefix, index in the stacked parameters)``."""
+    out: dict[int, tuple[bool, tuple, tuple]] = {}
+    for prefix, (moe, layers) in _stacks(m, every).items():
+        for g in range(m.n_layers // every):
+            at = layers(g)
+            out.update({at: (moe, prefix, (g,))} if isinstance(at, int) else
+                       {i: (moe, prefix, (g, s)) for s, i in enumerate(at)})
+    return [out[i] for i in range(m.n_layers)]
 
 
 def _top_names(arch: str, tied: bool) -> list[str]:
@@ -245,7 +275,9 @@ def _top_names(arch: str, tied: bool) -> list[str]:
     return ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
 
 
-_FUSED_MIXTRAL = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# transformers 5's fused experts (its in-memory layout, in every MoE family; its save_pretrained writes the
+# published names)
+_FUSED = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,12 +326,13 @@ def _pad(a: np.ndarray, size: int, axis: int) -> np.ndarray:
     return np.pad(a, widths)
 
 
-def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int) -> None:
+def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int, every: int) -> None:
     """Every tensor in the files is one the mapping reads (else jaxpar would build a different model)."""
-    layer = set(_to_hf(arch, m, n_experts)) | (set(_FUSED_MIXTRAL) if arch == "mixtral" else set())
+    kinds = [moe for moe, _, _ in _layer_kinds(m, every)]
+    names = {moe: set(_to_hf(arch, m, n_experts, moe)) for moe in set(kinds)}
     known = {files.prefix + n if arch == "gpt2" else n for n in _top_names(arch, bool(m.tie_embeddings))}
     known |= {(files.prefix if arch == "gpt2" else "") + _layer_prefix(arch, i) + n
-              for i in range(m.n_layers) for n in layer}
+              for i, moe in enumerate(kinds) for n in names[moe] | (set(_FUSED) if moe else set())}
     if arch == "gpt2" or m.tie_embeddings:
         known.add("lm_head.weight")  # tied: the same matrix as the embedding
     extra = sorted(n for n in files.where if n not in known and not n.endswith(_BUFFERS))
@@ -309,12 +342,14 @@ def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int) -> No
     # ... and every tensor the mapping reads is in them (checked here, not half-way through placing)
     for name in _top_names(arch, bool(m.tie_embeddings)):
         files.name(name)
-    for i in range(m.n_layers):
+    for i, moe in enumerate(kinds):
         view = _Layer(files, _layer_prefix(arch, i))
-        names = set(_to_hf(arch, m, n_experts))
-        if arch == "mixtral" and view.has("mlp.experts.gate_up_proj"):  # transformers 5's fused experts
-            names = {n for n in names if not n.startswith("block_sparse_moe.")} | set(_FUSED_MIXTRAL)
-        for n in sorted(names):
+        need = names[moe]
+        if moe and view.has("mlp.experts.gate_up_proj"):  # transformers 5's fused experts
+            block = FAMILIES[arch].MOE_NAMES[0]
+            need = {n for n in need if not n.startswith(f"{block}.gate.") and not n.startswith(f"{block}.experts.")}
+            need |= set(_FUSED)
+        for n in sorted(need):
             files.name(view.prefix + n)
 
 
@@ -326,10 +361,11 @@ def load_params(trainer, d: str | Path) -> dict:
     m = cfg.model.resolved()
     arch = _arch(read_config(d), f"{d}/config.json")
     files = _Files(d)
-    _check_names(files, arch, m, cfg.moe.n_experts)
-    stack, per_layer = _to_jaxpar(arch, m, cfg.moe.n_experts)
-    prefix = tuple(stack.split("/"))
-    order = trainer.layer_order(m.n_layers)
+    every = cfg.moe.every if m.arch == "moe" else 1
+    _check_names(files, arch, m, cfg.moe.n_experts, every)
+    stacks = {prefix: (_to_jaxpar(arch, m, cfg.moe.n_experts, moe), layers)
+              for prefix, (moe, layers) in _stacks(m, every).items()}
+    order = trainer.layer_order(m.n_layers // every)
     embed = "wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
     vp = trainer.adapter.abstract["embed"]["embedding"].shape[0]
     norm = ("ln_f" if arch == "gpt2" else "model.norm") + ".weight"
@@ -341,19 +377,33 @@ def load_params(trainer, d: str | Path) -> dict:
         ("head", "kernel"): lambda: _pad(files("lm_head.weight").T, vp, 1),
     }
     shardings = trainer.state_shardings["params"]
+
+    def entry(fn: Callable, layers: Callable[[int], int | list[int]]) -> Callable[[int], np.ndarray]:
+        """Stacked entry g's parameter: its layer's, or its layers' stacked (a MoE group's dense ones)."""
+        def build(g: int) -> np.ndarray:
+            at = layers(g)
+            if isinstance(at, int):
+                return fn(_Layer(files, _layer_prefix(arch, at)))
+            return np.stack([fn(_Layer(files, _layer_prefix(arch, i))) for i in at])
+
+        return build
+
     out = []
     for path in trainer.adapter.paths:
         a = _at(trainer.adapter.abstract, path)
-        layered = path[: len(prefix)] == prefix
-        build = per_layer[path[len(prefix):]] if layered else top[path]
-        out.append((path, _place(a, _at(shardings, path), build, order if layered else None,
-                                 lambda i: _Layer(files, _layer_prefix(arch, i)))))
+        prefix = next((p for p in stacks if path[: len(p)] == p), None)
+        if prefix is None:
+            out.append((path, _place(a, _at(shardings, path), top[path], None)))
+        else:
+            per_layer, layers = stacks[prefix]
+            out.append((path, _place(a, _at(shardings, path), entry(per_layer[path[len(prefix):]], layers), order)))
     return _nest(out)
 
 
-def _place(a, sharding, build, order, layer_view):
-    """One parameter as a global array; the callback builds the layers of a device's shard (all of an
-    unstacked parameter), once per distinct layer slice, and cuts the device's slice out of them."""
+def _place(a, sharding, build, order):
+    """One parameter as a global array; the callback builds the stacked entries of a device's shard
+    (``build(g)``: layer g, or a MoE model's group g; ``build()``: an unstacked parameter), once per
+    distinct slice, and cuts the device's slice out of them."""
     import jax
 
     cache: dict = {}
@@ -362,7 +412,7 @@ def _place(a, sharding, build, order, layer_view):
         key = None if order is None else tuple(int(i) for i in order[index[0]])
         if key not in cache:
             cache.clear()
-            full = build() if key is None else np.stack([build(layer_view(i)) for i in key])
+            full = build() if key is None else np.stack([build(g) for g in key])
             cache[key] = np.asarray(full).astype(a.dtype)
         return cache[key][index if key is None else (slice(None),) + tuple(index[1:])]
 
@@ -387,11 +437,11 @@ def hf_tensors(trainer, params: dict):
     cfg = trainer.cfg
     hf = hf_config(cfg)
     arch, m = hf["model_type"], cfg.model.resolved()
-    stack, _ = _to_jaxpar(arch, m, cfg.moe.n_experts)
-    prefix = tuple(stack.split("/"))
-    inverse = np.argsort(trainer.layer_order(m.n_layers))
+    every = cfg.moe.every if m.arch == "moe" else 1
+    inverse = np.argsort(trainer.layer_order(m.n_layers // every))
     host = {p: _host(_at(params, p)) for p in trainer.adapter.paths}
-    host = {p: a[inverse] if p[: len(prefix)] == prefix else a for p, a in host.items()}
+    stacked = tuple(_stacks(m, every))
+    host = {p: a[inverse] if any(p[: len(q)] == q for q in stacked) else a for p, a in host.items()}
     v = m.vocab_size
     if arch == "gpt2":
         top = {"wte.weight": host["embed", "embedding"][:v], "wpe.weight": host[("pos_embed",)],
@@ -402,11 +452,12 @@ def hf_tensors(trainer, params: dict):
         yield "model.norm.weight", host["norm_f", "scale"]
         if not m.tie_embeddings:
             yield "lm_head.weight", host["head", "kernel"][:, :v].T
-    per_layer = _to_hf(arch, m, cfg.moe.n_experts)
-    for i in range(m.n_layers):
+    kinds = _layer_kinds(m, every)
+    per_layer = {moe: _to_hf(arch, m, cfg.moe.n_experts, moe) for moe in {moe for moe, _, _ in kinds}}
+    for i, (moe, prefix, at) in enumerate(kinds):
         name = ("transformer." if arch == "gpt2" else "") + _layer_prefix(arch, i)
-        for k, fn in per_layer.items():
-            yield name + k, fn(lambda path, i=i: host[prefix + path][i])
+        for k, fn in per_layer[moe].items():
+            yield name + k, fn(lambda path, prefix=prefix, at=at: host[prefix + path][at])
 
 
 def export_target(cfg: Config, out: str | Path, run: str | Path | None = None, overwrite: bool = False) -> Target:

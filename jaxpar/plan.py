@@ -181,8 +181,6 @@ class Planner:
         validate(cfg)
         check_model_fits(cfg.model, cfg.parallel, sizes, cfg.moe.every if cfg.model.arch == "moe" else 1)
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, sizes, cfg.parallel.microbatches)
-        if cfg.model.arch == "moe" and cfg.moe.dispatch == "sorted" and sizes["pipe"] > 1:
-            raise ConfigError("moe.dispatch=sorted with parallel.pipe > 1 is not supported")
 
     def estimate(self, overrides: dict) -> Estimate:
         import jax.numpy as jnp

@@ -46,7 +46,8 @@ def rope_freqs(cfg: ModelConfig) -> tuple[tuple[float, ...] | None, tuple[float,
     if cfg.positions != "rope":
         return None, None
     glob = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
-                            cfg.rope_high_freq_factor, cfg.rope_original_context)
+                            cfg.rope_high_freq_factor, cfg.rope_original_context, cfg.rope_beta_fast,
+                            cfg.rope_beta_slow)
     return glob, rope_frequencies(cfg.head_dim, cfg.rope_local_theta) if cfg.rope_local_theta else None
 
 
@@ -69,6 +70,7 @@ class Block(nnx.Module):
                               qkv_bias=cfg.qkv_bias, rope_freqs=glob, rope_local_freqs=local, qk_norm=cfg.qk_norm,
                               norm_eps=cfg.norm_eps, norm_plus_one=cfg.norm_plus_one, scale=cfg.attn_scale or None,
                               window=0 if cfg.global_every else cfg.sliding_window,
+                              rope_scale=cfg.yarn_attention_factor() if cfg.rope_scaling == "yarn" else 1.0,
                               init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, tensor=tensor,
                               dtype=dtype, param_dtype=pd, rngs=rngs)
         self.post_norm1 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None

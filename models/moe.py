@@ -50,8 +50,9 @@ class MoEBlock(Block):
             return MoE(cfg.d_model, moe.d_ff or cfg.d_ff, moe.n_experts, moe.top_k,
                        capacity_factor=moe.capacity_factor, dropless=moe.dropless, renormalize=moe.renormalize,
                        kind=cfg.mlp, init_std=cfg.init_std, out_init_std=out_std, shared_experts=moe.shared_experts,
-                       score=moe.score, dispatch=moe.dispatch, bias_update_rate=moe.bias_update_rate, dtype=dtype,
-                       param_dtype=DTYPES[cfg.param_dtype], rngs=r)
+                       score=moe.score, dispatch=moe.dispatch_path(), bias_update_rate=moe.bias_update_rate,
+                       groups=moe.n_group, top_groups=moe.topk_group, gate_scale=moe.routed_scaling_factor,
+                       dtype=dtype, param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts, tensor=tensor)
 

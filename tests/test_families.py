@@ -1,7 +1,8 @@
 """Today's dense families against `transformers` itself: Llama 3.x (llama3 RoPE scaling), Qwen2.5 (Q/K/V
 biases, tied), Qwen3 (QK-norm, a head width of its own), Mistral (sliding window) and Gemma 3 (GeGLU,
 (1 + w) sandwich norms, QK-norm, scaled embeddings and scores, local layers with their own RoPE base
-interleaved with global ones under linear RoPE scaling).
+interleaved with global ones under linear RoPE scaling), and Qwen2.5 with YaRN RoPE scaling (its ramp and
+its attention factor on cos and sin).
 
 References, all independent of jaxpar: transformers' forward (fp32 logits < 1e-4), the cross-entropy of
 those logits in float64 numpy (the training loss under each layout's own path: 1F1B, ring, ...),
@@ -43,6 +44,9 @@ def build(family: str):
         rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE, rope_parameters=rope))
+    elif family == "qwen2_yarn":  # YaRN over an original context of 16: the ramp and the attention factor both act
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16}
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**BASE, rope_parameters=rope))
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**BASE, "tie_word_embeddings": True},
                                                                        rope_theta=1e6))
@@ -64,8 +68,9 @@ def build(family: str):
     return model.eval()
 
 
-FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma3")
-CLASSES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "gemma3", "qwen2_yarn")
+CLASSES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen2_yarn": "Qwen2ForCausalLM",
+           "qwen3": "Qwen3ForCausalLM",
            "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 LAYOUTS = {
     "1": [],
@@ -221,8 +226,11 @@ def _with(tmp_path, d, name: str, change: dict) -> str:
 
 
 @pytest.mark.parametrize("family,change,field", [
-    ("llama3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
-     "rope_parameters.rope_type='yarn'"),
+    ("llama3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 4.0}},
+     "rope_parameters.rope_type='dynamic'"),
+    ("llama3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": False,
+                                    "original_max_position_embeddings": 16}},
+     "rope_parameters.truncate=False"),
     ("llama3", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor=0.5"),
     ("llama3", {"attention_bias": True}, "attention_bias=True"),
@@ -292,3 +300,28 @@ def test_generate_cli_and_documents_frame_text_as_the_tokenizer_does(tmp_path_fa
     docs = ["the king rode", "bells rang"]
     want = [i for doc in docs for i in [bos, *tok.encode(doc, add_special_tokens=False).ids, eos]]
     assert encode_documents(mine, docs).tolist() == want
+
+
+@pytest.mark.parametrize("rope", [dict(factor=4.0), dict(factor=8.0, beta_fast=16, beta_slow=2),
+                                  dict(factor=40.0, mscale=1.0, mscale_all_dim=0.707),
+                                  dict(factor=4.0, attention_factor=1.3)],
+                         ids=["default", "betas", "deepseek-mscale", "attention-factor"])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
+    """YaRN's inverse frequencies and its cos/sin factor (from attention_factor, mscale / mscale_all_dim, or the
+    factor) as jaxpar imports them equal transformers' ``rope_type=yarn`` initialisation."""
+    libs()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxpar.config import ModelConfig
+    from jaxpar.families.common import rope_keys
+    from jaxpar.layers.attention_ops import rope_frequencies
+
+    params = {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 64, **rope}
+    cfg = transformers.Qwen2Config(**BASE, head_dim=32, rope_parameters=params)
+    inv_hf, factor_hf = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    keys = rope_keys(params, "config.json", "rope_parameters", max_positions=BASE["max_position_embeddings"])
+    m = ModelConfig(head_dim=32, **{k.split(".")[1]: v for k, v in keys.items()})
+    inv = rope_frequencies(32, m.rope_theta, m.rope_scaling, m.rope_factor, original_context=m.rope_original_context,
+                           beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
+    np.testing.assert_allclose(inv, inv_hf.numpy(), rtol=1e-6)
+    assert abs(m.yarn_attention_factor() - factor_hf) <= 1e-6 * factor_hf

@@ -4,6 +4,7 @@ bytes against the capacity formula, the expert-weight split, metrics and config 
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -300,6 +301,12 @@ LAYOUTS = {
     # dropless by sorting (a grouped matmul over the routed assignments), under Megatron-SP
     "sorted_data2_tensor4_sp": ("llama", dict(parallel__data=2, parallel__tensor=4, parallel__megatron_sp=True,
                                               moe__dropless=True, moe__dispatch="sorted")),
+    # DeepSeek-V3's router: sigmoid scores, 4 groups of 2 experts of which the best 2 groups, scaled gates,
+    # a correction bias (bias balancing on), dropless sorted dispatch over expert x data
+    "group_limited_expert2_data2_sorted": ("llama", dict(parallel__data=2, parallel__expert=2, moe__score="sigmoid",
+                                                         moe__n_group=4, moe__topk_group=2,
+                                                         moe__routed_scaling_factor=2.5, moe__bias_update_rate=0.01,
+                                                         moe__dropless=True, moe__dispatch="sorted")),
 }
 _REF = {}
 
@@ -475,10 +482,8 @@ def test_run_writes_moe_metrics(tmp_path):
     (["moe.every=3"], "moe.every=3 must divide model.n_layers=4"),
     (["model.arch=dense"], "choose one of gpt, moe"),
     (["moe.dispatch=sorted"], "moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true"),
-    (["moe.dispatch=sorted", "moe.dropless=true", "parallel.pipe=2", "parallel.data=4"],
-     "moe.dispatch=sorted with parallel.pipe > 1 is not supported yet"),
     (["moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1 is out of range"),
-    (["moe.dispatch=ragged"], "moe.dispatch='ragged' is not a valid choice; choose one of capacity, sorted"),
+    (["moe.dispatch=ragged"], "moe.dispatch='ragged' is not a valid choice; choose one of auto, capacity, sorted"),
 ])
 def test_bad_moe_config(over, needle):
     with pytest.raises(ConfigError) as e:
@@ -703,3 +708,59 @@ def test_trainer_moves_the_routing_bias_by_the_layer_loads():
     assert "moe_layer_load" not in metrics
     ratio = np.mean(load.max(1) / np.maximum(load.min(1), 1))
     assert float(metrics["moe_load_max_min"]) == pytest.approx(ratio, rel=1e-6)
+
+
+def test_auto_dispatch_is_sorted_when_dropless():
+    """moe.dispatch=auto runs the sorted (grouped matmul) dispatch when dropless, the capacity one otherwise."""
+    assert load_config(None, ["model.arch=moe", "moe.dispatch=auto", "moe.dropless=true"]).moe.dispatch_path() == "sorted"
+    assert load_config(None, ["model.arch=moe", "moe.dispatch=auto"]).moe.dispatch_path() == "capacity"
+    assert load_config(None, ["model.arch=moe", "moe.dropless=true"]).moe.dispatch_path() == "capacity"  # the default
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_group_limited_routing_equals_transformers_deepseek_v3(norm):
+    """Group-limited routing (moe.n_group, moe.topk_group), sigmoid scores, the correction bias choosing
+    experts but not weighting them, renormalisation and moe.routed_scaling_factor: the experts each token
+    chooses and their weights equal transformers' DeepseekV3TopkRouter on the same inputs."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    from jaxpar.layers.moe import route
+
+    e, k, groups, top_groups, d, g = 16, 4, 4, 2, 24, 64
+    hf = transformers.DeepseekV3Config(hidden_size=d, n_routed_experts=e, num_experts_per_tok=k, n_group=groups,
+                                       topk_group=top_groups, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    router = ds.DeepseekV3TopkRouter(hf)
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.as_tensor(rng.normal(size=(e, d)), dtype=torch.float32))
+        router.e_score_correction_bias.copy_(torch.as_tensor(rng.normal(scale=0.3, size=e), dtype=torch.float32))
+    x = rng.normal(size=(g, d)).astype(np.float32)
+    with torch.no_grad():
+        _, weights, indices = router(torch.as_tensor(x))
+    logits = jnp.asarray(x) @ jnp.asarray(router.weight.detach().numpy()).T
+    r = route(logits, k, g, norm, "sigmoid", jnp.asarray(router.e_score_correction_bias.numpy()), groups, top_groups,
+              2.5)
+    want_idx, want_w = indices.numpy(), weights.numpy()
+    got_idx, got_w = np.asarray(r.experts), np.asarray(r.gates)
+    for t in range(g):  # transformers' top-k is unsorted: compare as expert -> weight maps
+        want = dict(zip(want_idx[t].tolist(), want_w[t].tolist()))
+        got = dict(zip(got_idx[t].tolist(), got_w[t].tolist()))
+        assert set(got) == set(want), (t, got, want)
+        np.testing.assert_allclose([got[i] for i in want], list(want.values()), rtol=1e-6)
+    # the groups matter here: plain top-k of the biased scores would choose differently for some tokens
+    plain = route(logits, k, g, norm, "sigmoid", jnp.asarray(router.e_score_correction_bias.numpy()))
+    assert any(set(np.asarray(plain.experts)[t]) != set(got_idx[t]) for t in range(g))
+
+
+@pytest.mark.parametrize("over, needle", [
+    (["moe.n_experts=8", "moe.n_group=3"], "moe.n_group=3 must divide moe.n_experts=8"),
+    (["moe.n_experts=8", "moe.n_group=8"], "moe.n_group=8: each group needs at least 2 experts"),
+    (["moe.n_experts=8", "moe.n_group=2", "moe.topk_group=3"], "moe.topk_group=3 must be between 1 and moe.n_group=2"),
+    (["moe.n_experts=8", "moe.n_group=4", "moe.topk_group=1", "moe.top_k=3"],
+     "moe.top_k=3 is more than the 2 experts of the moe.topk_group=1 groups"),
+])
+def test_bad_group_routing(over, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, ["model.arch=moe", *over])

@@ -301,7 +301,8 @@ MOE_ON = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacity_f
 MOE6 = dict(model__n_layers=6, **MOE_ON)  # 6 layers: also the circular test's below (one shared reference)
 
 
-@pytest.mark.parametrize("sched", ["gpipe", "1f1b", "gpipe_default_capacity"])
+@pytest.mark.parametrize("sched", ["gpipe", "1f1b", "gpipe_default_capacity", "gpipe_sorted", "1f1b_sorted",
+                                   "interleaved_sorted"])
 def test_pipelined_moe_with_router_losses_on_matches_one_device_per_microbatch(sched):
     """MoE through the pipeline (6 layers, pipe=2 x expert=2, M = 4) with the balance and z-losses at their defaults
     (0.01, 0.001: on, as in a real run; the other pipeline tests weigh them 0): the loss, the reported
@@ -310,17 +311,26 @@ def test_pipelined_moe_with_router_losses_on_matches_one_device_per_microbatch(s
     (``Trainer.eval_loss``, what the validation hook calls) is the cross-entropy alone, one device's.
     ``gpipe_default_capacity``: the default capacity factor 1.25 (< E/k: tokens drop, as in a real run; the
     other pipeline tests never drop) on pipe=2 alone, so that each microbatch is one routing group as on the
-    one device: the same assignments drop (``moe_drop_fraction`` > 0, equal)."""
+    one device: the same assignments drop (``moe_drop_fraction`` > 0, equal). ``*_sorted``: the dropless
+    sorted dispatch (grouped matmuls and all-to-all rounds in the layer's own ``shard_map``) in every
+    schedule, interleaved 1F1B included, against the same per-microbatch reference."""
     model = dict(MOE6)
     layout = dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4, parallel__pipeline_schedule=sched)
     if sched == "gpipe_default_capacity":
         del model["moe__capacity_factor"], layout["parallel__expert"]
         layout["parallel__pipeline_schedule"] = "gpipe"
+    if sched.endswith("_sorted"):
+        model.update(moe__dispatch="sorted", moe__dropless=True)
+        layout["parallel__pipeline_schedule"] = "gpipe" if sched == "gpipe_sorted" else "1f1b"
+        if sched == "interleaved_sorted":
+            layout["parallel__pipeline_repeats"] = 3
     cfg = config("gpt2", **model, **layout)
     assert (cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight) == (0.01, 0.001)  # the defaults
     assert cfg.moe.capacity_factor == (1.25 if sched == "gpipe_default_capacity" else 2.0)
     ref = per_microbatch_reference("gpt2", 4, **model)
     first = first_step(cfg)
+    if sched == "interleaved_sorted":  # the circular storage order of the stacked layers
+        ref = (*ref[:2], first["trainer"].to_storage_order(ref[2]), ref[3])
     check_moe_against_reference(cfg, first["loss"], first["aux"], first["grads"], ref)
     if sched == "gpipe":  # (1F1B evaluates with the same program: its loss without gradients is GPipe's)
         t = first["trainer"]

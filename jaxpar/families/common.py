@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from jaxpar.errors import ConfigError
@@ -12,7 +13,7 @@ PLAIN = {"model.qkv_bias": False, "model.qk_norm": False, "model.norm_placement"
          "model.embed_scale": False, "model.attn_scale": 0.0, "model.sliding_window": 0, "model.global_every": 0,
          "model.rope_local_theta": 0.0, "model.rope_scaling": "none"}
 
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
 
 def require(hf: dict, where: str, key: str, ok: Callable[[Any], bool], want: str, default=None) -> None:
@@ -20,9 +21,12 @@ def require(hf: dict, where: str, key: str, ok: Callable[[Any], bool], want: str
         raise ConfigError(f"{where}: {key}={hf.get(key, default)!r} is not supported by jaxpar (needs {want})")
 
 
-def rope_keys(rope: dict, where: str, field: str, theta_default: float = 10000.0) -> dict[str, Any]:
+def rope_keys(rope: dict, where: str, field: str, theta_default: float = 10000.0,
+              max_positions: int | None = None) -> dict[str, Any]:
     """jaxpar's RoPE keys of one ``rope_parameters`` dict (``field`` names it in errors): the base and the
-    scaling (``default``, ``linear``, ``llama3``; YaRN and the dynamic kinds are refused by name)."""
+    scaling (``default``, ``linear``, ``llama3``, ``yarn``: its attention factor resolved as transformers
+    does, from ``attention_factor``, ``mscale`` / ``mscale_all_dim`` or the factor; the dynamic kinds are
+    refused by name). ``max_positions``: the ``config.json``'s ``max_position_embeddings``."""
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
         raise ConfigError(f"{where}: {field}.rope_type={kind!r} is not supported by jaxpar (choose one of "
@@ -39,7 +43,30 @@ def rope_keys(rope: dict, where: str, field: str, theta_default: float = 10000.0
         keys.update({"model.rope_low_freq_factor": float(rope.get("low_freq_factor", 1.0)),
                      "model.rope_high_freq_factor": float(rope.get("high_freq_factor", 4.0)),
                      "model.rope_original_context": int(rope.get("original_max_position_embeddings", 8192))})
+    if kind == "yarn":
+        keys.update(_yarn_keys(rope, where, field, max_positions))
     return keys
+
+
+def _yarn_keys(rope: dict, where: str, field: str, max_positions: int | None) -> dict[str, Any]:
+    """YaRN's keys, resolved as transformers' ``_compute_yarn_parameters`` does."""
+    if rope.get("truncate", True) is not True:
+        raise ConfigError(f"{where}: {field}.truncate={rope.get('truncate')!r} is not supported by jaxpar (YaRN's "
+                          "correction range rounded outwards: true)")
+    original = rope.get("original_max_position_embeddings") or max_positions
+    if not original:
+        raise ConfigError(f"{where}: {field} of rope_type yarn names no original_max_position_embeddings")
+    factor = rope.get("factor") or (max_positions or original) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
+    return {"model.rope_factor": float(factor), "model.rope_original_context": int(original),
+            "model.rope_beta_fast": float(rope.get("beta_fast") or 32), "model.rope_beta_slow":
+            float(rope.get("beta_slow") or 1), "model.rope_attention_factor": float(attention)}
 
 
 def rope_of(hf: dict) -> dict:
@@ -65,6 +92,10 @@ def rope_parameters(m) -> dict:
     if m.rope_scaling == "llama3":
         out.update({"low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                     "original_max_position_embeddings": m.rope_original_context})
+    if m.rope_scaling == "yarn":
+        out.update({"factor": m.rope_factor, "original_max_position_embeddings": m.rope_original_context,
+                    "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow,
+                    "attention_factor": m.yarn_attention_factor()})
     return out
 
 
@@ -78,7 +109,7 @@ def decoder_keys(hf: dict, where: str, act_field: str = "hidden_act", act: str =
             "model.n_kv_heads": hf.get("num_key_value_heads") or heads,
             "model.head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "model.d_ff": hf["intermediate_size"],
             "model.vocab_size": hf["vocab_size"], "model.norm_eps": hf.get("rms_norm_eps", 1e-6), **PLAIN}
-    keys.update(rope_keys(rope_of(hf), where, rope_field(hf)))
+    keys.update(rope_keys(rope_of(hf), where, rope_field(hf), max_positions=hf.get("max_position_embeddings")))
     return keys
 
 

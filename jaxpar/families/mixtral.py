@@ -9,6 +9,10 @@ from jaxpar.families.common import decoder_config, decoder_keys, require
 
 MODEL_TYPE, CLASS = "mixtral", "MixtralForCausalLM"
 
+# the MoE layer's weight names as published (jaxpar.hf): the module of the router (``{module}.gate.weight``) and
+# the experts (``{module}.experts.{i}.{w}.weight``), and each expert's gate, up and down projection (w)
+MOE_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
+
 
 def config_keys(hf: dict, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     require(hf, where, "router_jitter_noise", lambda v: not v, "0", 0.0)

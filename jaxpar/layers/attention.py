@@ -61,15 +61,16 @@ class Attention(nnx.Module):
     Q, K, V; the key's only where it can matter, i.e. with RoPE or QK-norm after it), ``use_bias`` (the
     out-projection's), ``qk_norm`` (an RMSNorm over each head's Q and K before RoPE), ``rope_freqs``
     (RoPE's inverse frequencies, scaled as the model says; ``rope_local_freqs`` those of the layers
-    with a sliding window when they differ), ``scale`` (the scores' multiplier) and ``window`` (the
-    sliding window; a call may pass its layer's own, traced).
+    with a sliding window when they differ; ``rope_scale``: YaRN's factor on the global layers' cos and
+    sin), ``scale`` (the scores' multiplier) and ``window`` (the sliding window; a call may pass its
+    layer's own, traced).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, use_bias: bool = True,
                  qkv_bias: bool | None = None, rope_theta: float | None = None,
                  rope_freqs: tuple[float, ...] | None = None, rope_local_freqs: tuple[float, ...] | None = None,
                  qk_norm: bool = False, norm_eps: float = 1e-6, norm_plus_one: bool = False,
-                 scale: float | None = None, window: int = 0, init_std: float = 0.02,
+                 scale: float | None = None, window: int = 0, rope_scale: float = 1.0, init_std: float = 0.02,
                  out_init_std: float | None = None, kernel: str = "auto", tensor: int = 1, dtype=jnp.float32,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         if n_heads % n_kv_heads:
@@ -84,7 +85,7 @@ class Attention(nnx.Module):
         self.group = n_heads // n_kv_heads
         if rope_freqs is None and rope_theta is not None:
             rope_freqs = rope_frequencies(head_dim, rope_theta)
-        self.rope_freqs, self.rope_local_freqs = rope_freqs, rope_local_freqs
+        self.rope_freqs, self.rope_local_freqs, self.rope_scale = rope_freqs, rope_local_freqs, float(rope_scale)
         self.scale, self.window = scale, window
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.qkv = ColumnParallelLinear(d_model, (n_kv_heads, self.group + 2, head_dim), name="qkv_proj",
@@ -120,6 +121,15 @@ class Attention(nnx.Module):
             return local if window > 0 else glob
         return jnp.where(window > 0, local, glob)
 
+    def _rope_scale(self, window):
+        """YaRN's cos/sin factor for a layer with this ``window``: the global layers' (local layers with their
+        own RoPE base are unscaled)."""
+        if self.rope_scale == 1.0 or self.rope_local_freqs is None:
+            return self.rope_scale
+        if isinstance(window, (int, float)):
+            return 1.0 if window > 0 else self.rope_scale
+        return jnp.where(window > 0, 1.0, self.rope_scale)
+
     def _copies(self) -> int:
         """How many copies of each KV head this call computes: ``kv_copies`` under a layout whose tensor
         axis splits the heads (training), else 1 (generation, one device)."""
@@ -153,7 +163,8 @@ class Attention(nnx.Module):
         if self.rope_freqs is not None:
             pos = jnp.arange(t) if positions is None else positions
             inv = self._inv_freq(self._window(window))
-            q, k = rope(q, pos, inv_freq=inv), rope(k, pos, inv_freq=inv)
+            sc = self._rope_scale(self._window(window))
+            q, k = rope(q, pos, inv_freq=inv, scale=sc), rope(k, pos, inv_freq=inv, scale=sc)
         return q, k, v
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None, window=None, *,

@@ -25,6 +25,7 @@ explicit global positions (``q_pos``, ``k_pos``, any order; xla and cudnn only).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,15 @@ NEG = -1e30
 
 def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,
                      low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                     original_context: int = 8192) -> tuple[float, ...]:
+                     original_context: int = 8192, beta_fast: float = 32.0,
+                     beta_slow: float = 1.0) -> tuple[float, ...]:
     """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)`` (float32, as Hugging Face
     computes them), scaled: ``linear`` divides them all by ``factor`` (positions / factor); ``llama3``
     (Llama 3.1) divides those of wavelength above ``original_context / low_freq_factor`` by ``factor``,
-    keeps those below ``original_context / high_freq_factor`` and blends the band between. A tuple, so
+    keeps those below ``original_context / high_freq_factor`` and blends the band between; ``yarn`` (YaRN)
+    divides by ``factor`` the frequencies of fewer than ``beta_slow`` rotations over ``original_context``,
+    keeps those of more than ``beta_fast`` and ramps linearly between (the correction range rounded
+    outwards, as Hugging Face does; the cos/sin factor is ``ModelConfig.yarn_attention_factor``). A tuple, so
     that a module can hold it as static data."""
     inv = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))))
     inv = inv.astype(np.float32)
@@ -58,14 +63,23 @@ def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor:
         smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif scaling == "yarn":
+        def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times over the context
+            return head_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / ((high - low) or 0.001), 0, 1)
+        keep = (1 - ramp).astype(np.float32)  # 1: the original frequency (extrapolation), 0: divided by factor
+        inv = (inv / np.float32(factor) * (1 - keep) + inv * keep).astype(np.float32)
     elif scaling != "none":
-        raise ValueError(f"unknown RoPE scaling {scaling!r}; choose none, linear or llama3")
+        raise ValueError(f"unknown RoPE scaling {scaling!r}; choose none, linear, llama3 or yarn")
     return tuple(float(f) for f in inv)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0, inv_freq=None) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0, inv_freq=None, scale: float = 1.0) -> jax.Array:
     """Rotary embedding (rotate-half layout, as Llama): ``x [B, T, H, D]``, ``positions [T]`` or ``[B, T]``;
-    ``inv_freq [D/2]`` (e.g. :func:`rope_frequencies`, scaled; may be traced) replaces ``theta``'s."""
+    ``inv_freq [D/2]`` (e.g. :func:`rope_frequencies`, scaled; may be traced) replaces ``theta``'s; cos and
+    sin times ``scale`` (YaRN's attention factor)."""
     d = x.shape[-1]
     if inv_freq is None:
         inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
@@ -75,6 +89,8 @@ def rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0, inv_freq=No
     if ang.ndim == 2:
         ang = ang[None]
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    if not (isinstance(scale, (int, float)) and scale == 1.0):
+        cos, sin = cos * jnp.asarray(scale, jnp.float32), sin * jnp.asarray(scale, jnp.float32)
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

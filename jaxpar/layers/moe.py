@@ -87,7 +87,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import SORTED_PIPE, ConfigError
+from jaxpar.config import ConfigError, check_groups
 from jaxpar.layers.mlp import GATED, KINDS, MLP, activate
 from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
 from jaxpar.partitioning import active_rules, param
@@ -117,20 +117,33 @@ DISPATCH = ("capacity", "sorted")
 
 
 def route(logits: jax.Array, top_k: int, capacity: int, renormalize: bool = True, score: str = "softmax",
-          bias: jax.Array | None = None) -> Routing:
+          bias: jax.Array | None = None, groups: int = 1, top_groups: int = 1, scale: float = 1.0) -> Routing:
     """Scores (softmax, or sigmoid per expert), top-k (of the scores plus ``bias [E]``, which chooses the
     experts but is not part of the gates and has no gradient), and the capacity positions by choice
-    rank: all first choices (in token order) before any second choice, and so on."""
+    rank: all first choices (in token order) before any second choice, and so on.
+
+    Group-limited routing (DeepSeek-V3; ``groups`` > 1): the experts form ``groups`` equal groups, each
+    scored by the sum of its two best (biased) scores; a token chooses its top-k among the experts of its
+    ``top_groups`` best groups only. The gates (renormalised if asked) are then multiplied by ``scale``
+    (DeepSeek's ``routed_scaling_factor``)."""
     g, e = logits.shape
     logits = logits.astype(jnp.float32)
     probs = jax.nn.sigmoid(logits) if score == "sigmoid" else jax.nn.softmax(logits, axis=-1)
-    if bias is None:
+    if bias is None and groups == 1:
         gates, experts = jax.lax.top_k(probs, top_k)
     else:
-        _, experts = jax.lax.top_k(probs + jax.lax.stop_gradient(bias.astype(jnp.float32)), top_k)
+        choice = probs if bias is None else probs + jax.lax.stop_gradient(bias.astype(jnp.float32))
+        if groups > 1:
+            best_two = jax.lax.top_k(choice.reshape(g, groups, e // groups), 2)[0]
+            _, top = jax.lax.top_k(jnp.sum(best_two, axis=-1), top_groups)            # [G, top_groups]
+            allowed = jnp.any(jax.nn.one_hot(top, groups, dtype=jnp.bool_), axis=1)  # [G, groups]
+            choice = jnp.where(jnp.repeat(allowed, e // groups, axis=-1), choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, top_k)
         gates = jnp.take_along_axis(probs, experts, axis=-1)
     if renormalize:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    if scale != 1.0:
+        gates = gates * scale
     onehot = jax.nn.one_hot(experts, e, dtype=jnp.int32)                    # [G, k, E]
     by_rank = jnp.swapaxes(onehot, 0, 1).reshape(top_k * g, e)              # [k*G, E], rank-major
     before = jnp.swapaxes((jnp.cumsum(by_rank, axis=0) - 1).reshape(top_k, g, e), 0, 1)
@@ -177,8 +190,8 @@ class MoE(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
                  dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
-                 dispatch: str = "capacity", bias_update_rate: float = 0.0, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dispatch: str = "capacity", bias_update_rate: float = 0.0, groups: int = 1, top_groups: int = 1,
+                 gate_scale: float = 1.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if kind not in KINDS:
             raise ValueError(f"unknown expert kind {kind!r}; choose one of {', '.join(KINDS)}")
         # a library caller's mistake names the argument (and the config key train.py users set)
@@ -200,6 +213,8 @@ class MoE(nnx.Module):
                               f"be >= 0")
         if not capacity_factor > 0:
             raise ConfigError(f"MoE(capacity_factor={capacity_factor}) (config key moe.capacity_factor) must be > 0")
+        check_groups(n_experts, top_k, groups, top_groups)
+        self.groups, self.top_groups, self.gate_scale = groups, top_groups, float(gate_scale)
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
         self.score, self.dispatch, self.dtype = score, dispatch, dtype
@@ -252,11 +267,6 @@ class MoE(nnx.Module):
         sp = tuple(a for a in big(rules.params.axes("res_length")) if a in tensor)
         ax = _Axes(batch + length, expert, tensor, sp, math.prod(mesh.shape[a] for a in expert))
         manual = set(ax.tokens) | set(expert) | set(tensor)
-        if manual and "pipe" in rules.manual_axes():  # inside the pipeline's vmap over stages (spmd axis
-            # `pipe`); inside a 1F1B stage's shard_map pipe is manual already
-            manual.add("pipe")
-            if self.dispatch == "sorted":
-                raise ConfigError(SORTED_PIPE)
         if not manual:
             return self._local(x, *weights, ax=ax)
         x_spec = P(_entry(batch), _entry(length + sp))  # Megatron-SP: sequence-split over tensor too
@@ -276,7 +286,7 @@ class MoE(nnx.Module):
         cap = expert_capacity(g, e, k, self.capacity_factor, self.dropless)
         xt = x.reshape(g, d)
         logits = jnp.einsum("gd,de->ge", xt.astype(jnp.float32), w_router.astype(jnp.float32))
-        r = route(logits, k, cap, self.renormalize, self.score, bias)
+        r = route(logits, k, cap, self.renormalize, self.score, bias, self.groups, self.top_groups, self.gate_scale)
         # dispatch: every kept assignment copies its token into its expert's slot (dropped: index E*C, discarded)
         tokens = xt.astype(self.dtype)
         if ax.tensor and not ax.sp:

@@ -17,14 +17,16 @@ layer dim holds layer :func:`stage_major_order` [p], so that each device's group
 
 Training (:func:`pipeline_loss` for GPipe / circular, :func:`one_f_one_b`; the model's ``Stack.loss``)
 runs in a ``jax.shard_map`` manual over ``pipe``, the embedding and the loss inside (below). A
-forward without the loss (:func:`pipeline`, the model's ``Stack.__call__``: logits, sampling) runs
-the stages under a ``vmap`` over the stage dim (spmd axis ``pipe``). The last stage files its outputs in its own
-slots of a per-stage buffer (a local write); after the loop the buffers, all but the last stage's
-zeroed, are summed over ``pipe`` once; every stage holds a copy of the input microbatches, so that
-the input's gradient is summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per
-iteration. Bubble iterations compute on zeros. What each layer keeps for the backward is the stage
-function's business (the model applies its ``model.remat`` policy per layer inside the stage; the
-stage selects an iteration's layer group itself, so that no per-iteration copy of its weights is kept).
+forward without the loss (:func:`pipeline`, the model's ``Stack.__call__``: logits) runs the same
+schedule with no embedding and no loss: the last stage files its outputs in its own slots of its
+buffer (a local write); after the loop the buffers, all but the last stage's zeroed, are summed over
+``pipe`` once; every stage holds a copy of the input microbatches, so that the input's gradient is
+summed over ``pipe`` once: nothing but the stage shifts crosses ``pipe`` per iteration. (Every layer
+thus runs inside a stage's ``shard_map``, never under a ``vmap`` over stages, so layers whose own
+``shard_map`` holds loops, as the MoE layer's sorted dispatch, run in every schedule.) Bubble
+iterations compute on zeros. What each layer keeps for the backward is the stage function's business
+(the model applies its ``model.remat`` policy per layer inside the stage; the stage selects an
+iteration's layer group itself, so that no per-iteration copy of its weights is kept).
 
 :func:`pipeline_loss` (GPipe / circular; the scan's transpose is its backward) and :func:`one_f_one_b`
 (1F1B; its loss without differentiation is :func:`pipeline_loss`) run the schedule in a
@@ -79,96 +81,16 @@ def _shift(stages: int, step: int, ring: bool = False):
 
 
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
-             outputs: bool = False, param_axes: list[tuple] | None = None):
-    """The stack's output for ``x`` (see :func:`_pipeline`): the last stage's, summed over ``pipe`` once
-    (the others' zeroed). For a forward only (logits, generation); the training loss runs the
-    embedding and the head inside the pipeline (:func:`pipeline_loss`, :func:`one_f_one_b`)."""
-    out = _pipeline(stage_fn, params, x, stages=stages, repeats=repeats, microbatches=microbatches,
-                    outputs=outputs, param_axes=param_axes)
-    y, ys = out if outputs else (out, None)
-    y = constrain(jnp.sum(y, axis=0).swapaxes(0, 1).reshape(x.shape), ("batch", "res_length", "act_embed"))
+             outputs: bool = False):
+    """The stack's output for ``x [B, ...]`` (``(y, ys)`` with ``outputs``: the per-layer outputs averaged
+    over microbatches, in storage order), for a forward only (logits); the training loss runs the
+    embedding and the head inside the pipeline (:func:`pipeline_loss`, :func:`one_f_one_b`). The
+    schedule of :func:`pipeline_loss`, in the same ``shard_map`` manual over ``pipe``, with the identity
+    for the embedding and no loss: the last stage's outputs, the others' zeroed, are summed over ``pipe``
+    once. ``stage_fn`` and ``params`` as there."""
+    y, ys = pipeline_loss(stage_fn, lambda _, h: h, None, params, {}, x, None, stages=stages, repeats=repeats,
+                          microbatches=microbatches, ys_weights={} if outputs else None)
     return (y, ys) if outputs else y
-
-
-def _pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
-              outputs: bool = False, param_axes: list[tuple] | None = None):
-    """Run ``x [B, ...]`` through the stages; ``params`` leaves are ``[L, ...]`` in stage-major order,
-    ``param_axes`` their logical names (in ``jax.tree.leaves`` order; the first is the layer dim),
-    so that a stage's weights keep their other splits (e.g. over ``tensor``).
-
-    ``stage_fn(stage_params, h, select=(first, count))`` applies layers ``first .. first+count-1``
-    of a stage (leaves ``[L/S, ...]``; ``first`` traced: the group of this iteration) to a microbatch
-    ``h [B/M, ...]``. It selects each layer itself, inside its remat policy, so that the backward
-    selects it again rather than the loop keeping a copy of the group's weights per iteration. With
-    ``outputs=True`` it returns ``(h, ys)`` with per-layer leaves ``[L/(S*R), ...]`` (e.g. router
-    statistics); the result is then ``(y, ys)`` with ``ys`` leaves ``[L, ...]`` in storage order,
-    each the mean over the M microbatches (bubble iterations excluded).
-    """
-    s_, r_, m_ = stages, repeats, microbatches
-    b = x.shape[0]
-    mb = b // m_
-    act = ("batch", "res_length", "act_embed")
-    # microbatch m = rows m, m+M, ...: each stays split over the batch axes without moving data
-    xs = _split_mb(x, m_, act)
-    leaves, treedef = jax.tree.flatten(params)
-    axes = param_axes or [(None,) * a.ndim for a in leaves]
-    lg = leaves[0].shape[0] // (s_ * r_)  # layers per group
-    # [S, R * lg, ...]: each device's R groups, contiguous in storage order (a free reshape)
-    grouped = jax.tree.unflatten(treedef, [
-        constrain(a.reshape(s_, a.shape[0] // s_, *a.shape[1:]), ("stages", None) + tuple(ax[1:]))
-        for a, ax in zip(leaves, axes)])
-    state = constrain(jnp.zeros((s_, mb, *x.shape[1:]), x.dtype), ("stages", *act))
-    # per stage, M microbatch slots, all holding the input microbatches at
-    # first: stage 0 takes them from there, and with R > 1 the microbatches coming round the ring wait
-    # there for their next repeat; the last stage files its outputs in its own. Every stage has a copy of
-    # the input (a local broadcast), so that the input's gradient is summed over pipe once, after the loop.
-    buf = constrain(jnp.broadcast_to(xs[None], (s_, *xs.shape)), ("stages", None, *act))
-    stage_ids = jnp.arange(s_)
-    shift = _shift(s_, 1, ring=r_ > 1)
-
-    def run_groups(grouped, repeat, inputs):
-        """Each stage's layer group of this iteration (``select``, see the docstring) on its input."""
-        return jax.vmap(lambda g, x, r: stage_fn(g, x, select=(r * lg, lg)), spmd_axis_name="pipe")(
-            grouped, inputs, repeat)
-
-    acc = None
-    if outputs:
-        ys_shape = jax.eval_shape(run_groups, grouped, stage_ids, state)[1]
-        acc = jax.tree.map(lambda y: jnp.zeros((s_, r_, *y.shape[1:]), jnp.float32), ys_shape)
-
-    def iteration(carry, t):
-        state, buf, acc = carry
-        # one collective-permute over pipe: stage s gets stage s-1's output (stage 0 the last stage's, R > 1)
-        shifted = constrain(shift(state), ("stages", *act))
-
-        def enter(s, row, received):  # a stage's input: stage 0 takes a fresh microbatch or one coming round
-            if r_ > 1:
-                row = _put(row, received, (t - s_) % m_, (s == 0) & (t >= s_))
-            return row, jnp.where(s == 0, row[t % m_], received)
-
-        buf, inputs = jax.vmap(enter, spmd_axis_name="pipe")(stage_ids, buf, shifted)
-        repeat = jnp.clip((t - stage_ids) // m_, 0, r_ - 1)
-        state = run_groups(grouped, repeat, constrain(inputs, ("stages", *act)))
-        if outputs:
-            state, ys = state
-            k = t - stage_ids  # which (repeat, microbatch) each stage holds; bubble if outside [0, M*R)
-            weight = ((k >= 0) & (k < m_ * r_)).astype(jnp.float32) / m_
-            acc = jax.tree.map(lambda a, y: jax.vmap(lambda a_s, y_s, r, w: a_s.at[r].add(y_s.astype(a_s.dtype) * w))(
-                a, y, repeat, weight), acc, ys)
-        state = constrain(state, ("stages", *act))
-        # the last stage files the microbatch it finished (a local write: nothing crosses pipe)
-        done = (t >= s_ - 1) & (t - (s_ - 1) >= m_ * (r_ - 1))
-        buf = jax.vmap(lambda s, row, y: _put(row, y, (t - (s_ - 1)) % m_, (s == s_ - 1) & done),
-                       spmd_axis_name="pipe")(stage_ids, buf, state)
-        return (state, constrain(buf, ("stages", None, *act)), acc), None
-
-    (_, buf, acc), _ = jax.lax.scan(iteration, (state, buf, acc), jnp.arange(m_ * r_ + s_ - 1))
-    # the last stage's outputs: each stage's buffer with all but the last stage's zeroed, summed over the
-    # stages by the caller into its layout (a reduce-scatter when the batch is split over pipe there)
-    y = constrain(jnp.where((stage_ids == s_ - 1)[:, None, None, None, None], buf, 0), ("stages", None, *act))
-    if not outputs:
-        return y
-    return y, jax.tree.map(lambda a: a.reshape(s_ * r_ * a.shape[2], *a.shape[3:]), acc)
 
 
 def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
@@ -250,10 +172,14 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
             return c, None
 
         c, _ = jax.lax.scan(iteration, c, jnp.arange(m_ * r_ + s_ - 1))
+        ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
+        if last_fn is None:  # a forward only (pipeline()): the last stage's outputs in batch order, zeros elsewhere
+            # (an output of the shard_map: no constraint of the other axes' layout here; the caller's, outside)
+            y = c["buf"].swapaxes(0, 1).reshape(b, *c["buf"].shape[2:])
+            return jnp.where(s == s_ - 1, y, 0)[None], ys
         with min_chunks(m_):  # the head's temporaries: one microbatch's (each chunk at most one)
             loss = _when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
                          lambda o: jnp.zeros((), jnp.float32), outer_)
-        ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
         return loss[None], ys
 
     def body(p_leaves, o_leaves, toks, tgts, rws):
@@ -265,7 +191,11 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
     fn = jax.shard_map(body, mesh=rules.mesh,
                        in_specs=(stage_spec, [P()] * len(outer_leaves), *map(_whole, (tokens, targets, rows_mb))),
                        out_specs=(P("pipe"), ys_spec), axis_names={"pipe"}, check_vma=False)
-    losses, ys = fn(leaves, outer_leaves, tokens, targets, rows_mb)
+    # (jit: a forward run eagerly, e.g. logits outside a jitted step, would take shard_map's op-by-op path,
+    # which does not support a shard_map manual over some axes only)
+    losses, ys = jax.jit(fn)(leaves, outer_leaves, tokens, targets, rows_mb)
+    if last_fn is None:
+        return constrain(jnp.sum(losses, axis=0), act), ys
     loss = jnp.sum(losses)  # the last stage's (zeros elsewhere)
     if has_ys:
         loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())

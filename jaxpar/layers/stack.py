@@ -62,15 +62,6 @@ def loss_in_pipeline() -> bool:
     return rules is not None and rules.parallel is not None and rules.axis_size("pipe") > 1
 
 
-def leaf_axes(state) -> list[tuple]:
-    """Each leaf's logical names (``jax.tree.leaves`` order), so that pipeline stages keep their weights'
-    splits; leaves of non-Param variables (e.g. sown intermediates) have none."""
-    return [tuple(v.get_metadata().get("out_sharding") or (None,) * leaf.ndim) if isinstance(v, nnx.Param)
-            else (None,) * leaf.ndim
-            for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-            for leaf in jax.tree.leaves(v)]
-
-
 class Stack:
     """Run ``layers`` (built by :meth:`create`) on ``x``: ``Stack(layers, remat=...)(x, *args)``.
 
@@ -123,12 +114,6 @@ class Stack:
             values[k] = jnp.asarray(v[order])
         return graphdef, (state, values)
 
-    def _axes(self, state) -> list[tuple]:
-        """:func:`leaf_axes` of :meth:`_state`'s state (per-layer values on the ``layers`` dim)."""
-        if not self.per_layer:
-            return leaf_axes(state)
-        return leaf_axes(state[0]) + [("layers",)] * len(jax.tree.leaves(state[1]))
-
     def _stage_fn(self, graphdef, args):
         """``(group_state, h, select=None, rows=None) -> h`` (or ``(h, ys)``): a scan of the layers in
         ``group_state``, each given ``rows`` (a microbatch's; None: the stack's own) as keywords."""
@@ -166,8 +151,7 @@ class Stack:
             raise NotImplementedError("per-row inputs (packed documents) run through a pipeline in the training "
                                       "loss (Stack.loss) only, not in a forward of the stack")
         s_, r_, m_ = pipe
-        return pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs,
-                        param_axes=self._axes(state))
+        return pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs)
 
     def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
              weights: dict | None = None) -> tuple[jax.Array, dict | None]:
