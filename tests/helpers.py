@@ -192,6 +192,22 @@ def check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref, m: int |
     assert_trees_close(got_grads, ref_grads, 1e-5, "grads ")
 
 
+def ce64(logits: np.ndarray, targets: np.ndarray) -> float:
+    """Mean next-token cross-entropy in float64 numpy."""
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(-np.mean(np.take_along_axis(logp, targets[..., None].astype(np.int64), -1)))
+
+
+def torch_logits(model, toks) -> np.ndarray:
+    """A ``transformers`` model's float logits of ``toks`` (numpy)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(toks, dtype=torch.long)).logits.numpy()
+
+
 def run_script(script: str, devices: int, done: str, timeout: int = 900) -> str:
     """Run ``script`` (which may import these helpers) in a fresh process with ``devices`` simulated
     CPU devices; assert it exits 0 printing ``done``; returns its output."""

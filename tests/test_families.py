@@ -18,7 +18,7 @@ import pytest
 
 from jaxpar import hf
 from jaxpar.config import ConfigError, load_config
-from helpers import assert_trees_close
+from helpers import assert_trees_close, ce64, torch_logits
 from helpers import trainer as Trainer
 
 torch = transformers = None
@@ -107,19 +107,6 @@ def tokens(b=B, seed=0, t=T + 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, V, (b, t)).astype(np.int32)
 
 
-def hf_logits(model, toks) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(toks, dtype=torch.long)).logits.numpy()
-
-
-def ce64(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Mean next-token cross-entropy in float64 numpy."""
-    z = logits.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    return float(-np.mean(np.take_along_axis(logp, targets[..., None].astype(np.int64), -1)))
-
-
 def importer(d, layout, *extra):
     cfg = load_config(None, [f"model.init_from=hf:{d}", f"model.seq_len={T}", f"train.batch_size={B}",
                              "data.tokenizer=byte", *LAYOUTS[layout], *extra])
@@ -136,7 +123,7 @@ def test_import_matches_transformers(tmp_path_factory, family, layout):
     equals the float64 cross-entropy of transformers' logits; gradients equal one device's."""
     d, model = hf_dir(family, tmp_path_factory)
     seq = tokens()
-    ref = hf_logits(model, seq[:, :-1])
+    ref = torch_logits(model, seq[:, :-1])
     trainer, params = importer(d, layout)
     if layout in ("1", "dt", "pt", "st"):  # the others: the training path below (loss and gradients)
         got = np.asarray(trainer.logits(params, jax.numpy.asarray(seq[:, :-1])))[..., :V]
@@ -209,7 +196,7 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32).eval()
     seq = tokens(seed=3)[:, :-1]
     got = np.asarray(trainer.logits(state["params"], jax.numpy.asarray(seq)))[..., :V]
-    assert np.max(np.abs(got - hf_logits(model, seq))) < 1e-4
+    assert np.max(np.abs(got - torch_logits(model, seq))) < 1e-4
 
 
 def _with(tmp_path, d, name: str, change: dict) -> str:

@@ -18,6 +18,7 @@ import pytest
 
 from jaxpar import hf
 from jaxpar.config import ConfigError, load_config
+from helpers import ce64, torch_logits
 from helpers import trainer as Trainer
 
 torch = transformers = None
@@ -87,19 +88,6 @@ def importer(name: str, layout: str, tmp_path_factory):
 
 def tokens(b=B, seed=0, t=T + 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, V, (b, t)).astype(np.int32)
-
-
-def hf_logits(model, toks) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.as_tensor(toks, dtype=torch.long)).logits.numpy()
-
-
-def ce64(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Mean next-token cross-entropy in float64 numpy."""
-    z = logits.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-    return float(-np.mean(np.take_along_axis(logp, targets[..., None].astype(np.int64), -1)))
 
 
 CASES = [("every1", "1"), ("every2", "1"), pytest.param("every1", "ed", marks=SLOW),
@@ -211,7 +199,7 @@ def test_export_is_bit_identical_and_loads_in_transformers(tmp_path_factory, tmp
     assert b["router_aux_loss_coef"] == pytest.approx(a["router_aux_loss_coef"])
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     seq = tokens(seed=3)[:, :-1]
-    np.testing.assert_array_equal(hf_logits(again, seq), hf_logits(model, seq))
+    np.testing.assert_array_equal(torch_logits(again, seq), torch_logits(model, seq))
 
 
 def _with(tmp_path, d, change: dict) -> str:
