@@ -101,3 +101,26 @@ def test_chat_finetune_lowers_held_out_loss_and_generation_matches_transformers(
     replies = capsys.readouterr().out.split("---\n")[:-1]
     assert [r[:-1] for r in replies] == want  # (print's newline)
     assert want == ["four five", "six seven"]  # it learnt to count on, and to end its turn
+
+
+def test_bad_chat_data_is_one_error_line_from_train_py(model_dir, tmp_path):
+    """train.py with a conversation of an unknown role: exit 2 and one line naming the file, the line and the
+    role (no traceback); a too-long conversation in the same data would be a counted skip (test_chat)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "chat.jsonl"
+    good = conversations(4, 1)
+    bad = {"messages": [{"role": "user", "content": "one two"}, {"role": "bot", "content": "three four"}]}
+    data.write_text("".join(json.dumps(c) + "\n" for c in good + [bad]))
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, str(root / "train.py"), f"model.init_from=hf:{model_dir}", "data.source=chat",
+                        f"data.path={data}", "data.packing=documents", "model.seq_len=128", "train.steps=1",
+                        f"train.out_dir={tmp_path / 'run'}", "data.prefetch=0"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert err[-1].startswith("error: chat.jsonl line 5: ") and "'bot'" in err[-1], err[-3:]
+    assert "Traceback" not in p.stderr
