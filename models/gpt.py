@@ -201,9 +201,8 @@ class GPT(nnx.Module):
         docs = docs or {}
         b = tokens.shape[0]
         if docs:  # each token's share of the whole batch's loss: weight / the batch's trained tokens
-            d = loss_denominator(docs)
             tokens = {"tokens": tokens, "positions": docs["positions"]}
-            targets = {"targets": targets, "weights": docs["weights"] / jnp.where(d > 0, d, 1.0)}
+            targets = {"targets": targets, "weights": docs["weights"] / loss_denominator(docs)}
 
         def first_fn(o, tok):
             if isinstance(tok, dict):
@@ -241,9 +240,11 @@ def layer_docs(docs: dict) -> dict:
 
 def loss_denominator(docs: dict) -> jax.Array:
     """The trained tokens the loss of a batch of packed documents is divided by (``loss_denominator``
-    when the caller gives it, else the sum of this batch's ``weights``)."""
+    when the caller gives it, else the sum of this batch's ``weights``; 1 when nothing is trained, so
+    that such a batch's loss is 0)."""
     d = docs.get("loss_denominator")
-    return jnp.sum(docs["weights"].astype(jnp.float32)) if d is None else jnp.asarray(d, jnp.float32)
+    d = jnp.sum(docs["weights"].astype(jnp.float32)) if d is None else jnp.asarray(d, jnp.float32)
+    return jnp.where(d > 0, d, 1.0)
 
 
 def ordered(tokens: jax.Array, targets: jax.Array, docs: dict | None = None):

@@ -266,12 +266,12 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
         specs, args = specs + (p.spec(("length",)),), args + (positions,)
     if segment_ids is not None:
         specs, args = specs + (p.spec(("batch", "length")),), args + (segment_ids,)
-    # check_vma=False: under vmap (pipeline stages) JAX 0.10's varying-axes check rejects the ring's
-    # online-softmax loop, and fused kernels carry no varying-axes rules; every input and output is
-    # split over the batch, sequence and head axes (nothing is replicated) and the only cross-device
-    # ops are the explicit collectives above, so the check adds nothing to correctness.
-    # manual over the axes of size > 1 only: every one of them splits q, k and v (the pipeline's vmap
-    # adds `pipe`), so the backward has no axis to sum a replicated input's gradient over
+    # check_vma=False: JAX 0.10's varying-axes check rejected the ring's online-softmax loop inside
+    # pipeline stages, and fused kernels carry no varying-axes rules; every input and output is split
+    # over the batch, sequence and head axes (nothing is replicated) and the only cross-device ops are
+    # the explicit collectives above, so the check adds nothing to correctness.
+    # manual over the axes of size > 1 only (inside a pipeline stage `pipe` is manual already): every one
+    # of them splits q, k and v, so the backward has no axis to sum a replicated input's gradient over
 
     def body(q, k, v, *rest):
         rest = list(rest)

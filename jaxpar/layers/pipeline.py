@@ -71,15 +71,6 @@ def _rules() -> RuleSet:
     return rules
 
 
-def _shift(stages: int, step: int, ring: bool = False):
-    """``state[s] -> state[s + step]`` over ``pipe`` by one ``ppermute`` (``step`` = +1 forward, -1 back);
-    with ``ring`` the end stage sends to the other end (circular schedule), else it sends nothing."""
-    rules = _rules()
-    spec = rules.params.spec(("stages", "batch", "res_length", "act_embed"))
-    perm = [(s, (s + step) % stages) for s in range(stages) if ring or 0 <= s + step < stages]
-    return jax.shard_map(lambda x: jax.lax.ppermute(x, "pipe", perm), mesh=rules.mesh, in_specs=spec, out_specs=spec)
-
-
 def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, microbatches: int,
              outputs: bool = False):
     """The stack's output for ``x [B, ...]`` (``(y, ys)`` with ``outputs``: the per-layer outputs averaged
