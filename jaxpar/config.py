@@ -127,9 +127,9 @@ class ModelConfig:
                                "max_position_embeddings and the export writes it (or model.seq_len if longer). "
                                "0 = model.seq_len.", range=NONNEGATIVE)
     init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama "
-                            "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral; config.json + safetensors), whose "
-                            "config.json sets the architecture keys; a resumed run continues from its checkpoint "
-                            "instead. See the README.")
+                            "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3; config.json + "
+                            "safetensors), whose config.json sets the architecture keys; a resumed run continues from "
+                            "its checkpoint instead. See the README.")
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
     norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
     mlp: str | None = _f(None, "gelu, swiglu (SiLU-gated) or geglu (tanh-GELU-gated, Gemma) (default from style).",
@@ -141,6 +141,18 @@ class ModelConfig:
                                      "QK-norm after it); with learned positions softmax ignores it.")
     qk_norm: bool = _f(False, "RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3), one weight "
                               "of head_dim shared by the heads.")
+    kv_lora_rank: int = _f(0, "Multi-head Latent Attention (DeepSeek-V2/V3) when > 0: each head's key and value "
+                              "come up from one shared, RMS-normed latent of this width, beside one RoPE key of "
+                              "model.rope_head_dim shared by the heads; generation caches only the latent and the "
+                              "RoPE key ((kv_lora_rank + rope_head_dim) values per token and layer). 0 = off.",
+                           range=NONNEGATIVE)
+    q_lora_rank: int = _f(0, "MLA: the queries come up from an RMS-normed latent of this width (DeepSeek-V3: 1536); "
+                             "0 = one query projection.", range=NONNEGATIVE)
+    rope_head_dim: int = _f(0, "MLA: the rotary part of each query and key head (the last rope_head_dim of "
+                               "model.head_dim, which is the query/key width; the rest has no position encoding; "
+                               "DeepSeek-V3: 64 of 192).", range=NONNEGATIVE)
+    v_head_dim: int = _f(0, "MLA: width of each value head; 0 = model.head_dim (DeepSeek-V3: 128).",
+                         range=NONNEGATIVE)
     norm_placement: str = _f("pre", "pre: x + f(norm(x)); sandwich: x + norm(f(norm(x))), a second norm on each "
                                     "attention and MLP output (Gemma 2/3).", ("pre", "sandwich"))
     norm_plus_one: bool = _f(False, "RMSNorm scales by (1 + weight), the weight stored as such (Gemma).")
@@ -222,7 +234,18 @@ class ModelConfig:
         if c.d_ff == 0:
             c.d_ff = 4 * c.d_model if c.mlp == "gelu" else 64 * -(-(8 * c.d_model // 3) // 64)
         c.qkv_bias = c.bias if c.qkv_bias is None else c.qkv_bias
+        c.v_head_dim = c.v_head_dim or c.head_dim
         return c
+
+    @property
+    def latent(self) -> bool:
+        """Multi-head Latent Attention (``model.kv_lora_rank`` > 0)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates in each head: ``rope_head_dim`` under MLA, else the whole head."""
+        return self.rope_head_dim if self.latent else self.head_dim
 
     @property
     def gated(self) -> bool:
@@ -330,6 +353,9 @@ class MoEConfig:
                                "capacity: a dropless capacity dispatch computes every expert on every token, "
                                "E/top_k x the expert flops, but at Mixtral 8x7B's size XLA:CPU's sorted program "
                                "needs far more temporaries; see the README).", ("auto", "capacity", "sorted"))
+    first_dense: int = _f(0, "The first this many layers are dense MLPs of model.d_ff (DeepSeek-V3's "
+                             "first_k_dense_replace: 3), the moe.every pattern applying to the rest; under a "
+                             "pipeline they run with the embedding on the first stage.", range=NONNEGATIVE)
     every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).",
                     range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)
@@ -345,6 +371,9 @@ class MoEConfig:
                                       "after every step, down for experts above the mean load, up for those "
                                       "below; 0 = off. DeepSeek-V3 used 0.001 (with moe.aux_loss_weight ~ 0).",
                                  range=NONNEGATIVE)
+    router_bias: bool = _f(False, "A per-expert routing bias added to the scores to choose the experts but not "
+                                  "in the gates, without gradient (DeepSeek-V3's e_score_correction_bias, kept as "
+                                  "imported); moe.bias_update_rate > 0 has one and moves it.")
     n_group: int = _f(1, "Group-limited routing (DeepSeek-V3): the experts form this many equal groups, each "
                          "scored by the sum of its two best scores; 1 = off.", range=POSITIVE)
     topk_group: int = _f(1, "With moe.n_group > 1: a token chooses its experts among its topk_group best groups.",
@@ -355,6 +384,15 @@ class MoEConfig:
                                       "layers).", range=NONNEGATIVE)
     z_loss_weight: float = _f(1e-3, "Weight of the router z-loss mean(logsumexp(logits)^2) (summed over MoE layers).",
                               range=NONNEGATIVE)
+
+    def stacking(self, arch: str) -> tuple[int, int]:
+        """``(every, first_dense)`` of a model of ``arch``: how its layers are stacked (``(1, 0)`` for a dense
+        model, one stack)."""
+        return (self.every, self.first_dense) if arch == "moe" else (1, 0)
+
+    def groups(self, n_layers: int) -> int:
+        """The stacked groups of ``every`` layers (``every - 1`` dense, one MoE) after the dense first ones."""
+        return (n_layers - self.first_dense) // self.every
 
     def dispatch_path(self) -> str:
         """The dispatch ``moe.dispatch`` runs: ``auto`` is sorted when dropless, else capacity."""
@@ -668,6 +706,25 @@ def validate(cfg: Config) -> None:
                           f"model.rope_high_freq_factor={r.rope_high_freq_factor:g} (rope_scaling=llama3)")
     if r.norm_plus_one and r.norm != "rmsnorm":
         raise ConfigError("model.norm_plus_one=true is an RMSNorm form (Gemma): it needs model.norm=rmsnorm")
+    if r.latent:
+        if r.positions != "rope":
+            raise ConfigError(f"model.kv_lora_rank={r.kv_lora_rank} (MLA) has a decoupled RoPE key: it needs "
+                              "model.positions=rope")
+        if not 0 < r.rope_head_dim < r.head_dim or r.rope_head_dim % 2:
+            raise ConfigError(f"model.rope_head_dim={r.rope_head_dim} (MLA) must be even and between 0 and "
+                              f"model.head_dim={r.head_dim} (exclusive), the query/key width it is part of")
+        if r.n_kv_heads != r.n_heads:
+            raise ConfigError(f"model.n_kv_heads={r.n_kv_heads}: MLA (model.kv_lora_rank > 0) gives every head its "
+                              f"own key and value from the latent; set n_kv_heads=0 (= n_heads={r.n_heads})")
+        for key in ("qkv_bias", "qk_norm", "rope_local_theta"):
+            if getattr(r, key):
+                raise ConfigError(f"model.{key}={getattr(r, key)} is not supported with MLA (model.kv_lora_rank > 0); "
+                                  "leave it unset")
+    else:
+        for key in ("q_lora_rank", "rope_head_dim", "v_head_dim"):
+            if getattr(m, key):
+                raise ConfigError(f"model.{key}={getattr(m, key)} configures Multi-head Latent Attention: it needs "
+                                  "model.kv_lora_rank > 0")
     if r.arch == "moe" and r.global_every:
         raise ConfigError(f"model.global_every={r.global_every} (layers that differ) is not supported with "
                           "model.arch=moe yet; use one window for every layer (model.global_every=0)")
@@ -727,8 +784,15 @@ def validate_moe(cfg: Config) -> None:
         divisors = ", ".join(str(d) for d in range(1, e.n_experts + 1) if e.n_experts % d == 0)
         raise ConfigError(f"moe.n_experts={e.n_experts} is not divisible by parallel.expert={ep}; choose n_experts "
                           f"a multiple of {ep} or parallel.expert among {divisors}")
-    if cfg.model.n_layers % e.every:
-        raise ConfigError(f"moe.every={e.every} must divide model.n_layers={cfg.model.n_layers}")
+    n = cfg.model.n_layers - e.first_dense
+    if n <= 0:
+        raise ConfigError(f"moe.first_dense={e.first_dense} leaves no MoE layer of model.n_layers="
+                          f"{cfg.model.n_layers}; choose first_dense < n_layers")
+    if n % e.every:
+        if not e.first_dense:
+            raise ConfigError(f"moe.every={e.every} must divide model.n_layers={cfg.model.n_layers}")
+        raise ConfigError(f"moe.every={e.every} must divide the {n} layers after the moe.first_dense={e.first_dense} "
+                          f"dense ones (model.n_layers={cfg.model.n_layers})")
     check_groups(e.n_experts, e.top_k, e.n_group, e.topk_group)
     if e.dispatch == "sorted" and not e.dropless:
         raise ConfigError("moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true, or "

@@ -2,6 +2,7 @@
 lengths, greedy / temperature / top-k / top-p sampling and stop tokens, on the training mesh.
 
     cache = {"k", "v"} per attention layer: [layers..., B, S, kv_heads, head_dim]     (S = the window)
+            (MLA, model.kv_lora_rank: {"latent" [.., B, S, kv_lora_rank], "rope_key" [.., B, S, rope_head_dim]})
     prefill: the prompts [B, P] (right-padded; row b has lengths[b] tokens) in one forward pass at
              positions 0..P-1, writing every layer's K and V into the cache
     decode:  a lax.scan of n steps; step i samples row b's token from its logits at position
@@ -34,7 +35,8 @@ places them from the parameters' and the cache's shardings. So any training layo
 ``pipe > 1`` included (the stacked layers are scanned over, not pipelined).
 
 Works for the models of :mod:`jaxpar.models` (GPT-2 / Llama style GPT and the MoE decoder): their
-blocks are decoded layer by layer through :meth:`jaxpar.layers.Attention.decode`.
+blocks are decoded layer by layer through :meth:`jaxpar.layers.Attention.decode` (or
+:meth:`jaxpar.layers.LatentAttention.decode`, which reads the compressed cache).
 
 Long by design: the decoding math, the driver that runs it in segments and chunks within the
 devices' memory, and the command line that reports its progress are read together.
@@ -109,15 +111,23 @@ def _attention_layers(model) -> list[tuple[str, tuple[int, ...]]]:
     moe = getattr(model, "moe_cfg", None)
     if moe is None:
         return [("blocks", (cfg.n_layers,))]
-    groups = cfg.n_layers // moe.every
-    return ([("dense", (groups, moe.every - 1))] if moe.every > 1 else []) + [("moe", (groups,))]
+    groups = moe.groups(cfg.n_layers)
+    return (([("first", (moe.first_dense,))] if moe.first_dense else []) +
+            ([("dense", (groups, moe.every - 1))] if moe.every > 1 else []) + [("moe", (groups,))])
+
+
+def layer_cache(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+    """One attention layer's cache: ``{"k", "v": [B, S, KV, D]}``, or under MLA (``model.kv_lora_rank``) the
+    latent and the rotated shared key, ``{"latent": [B, S, r], "rope_key": [B, S, p]}``."""
+    if cfg.latent:
+        return {"latent": (batch, length, cfg.kv_lora_rank), "rope_key": (batch, length, cfg.rope_head_dim)}
+    return {"k": (batch, length, cfg.n_kv_heads, cfg.head_dim), "v": (batch, length, cfg.n_kv_heads, cfg.head_dim)}
 
 
 def empty_cache(model, batch: int, length: int, dtype=jnp.float32) -> dict:
-    """Zeros for every attention layer's K and V: ``{name: {"k", "v": [stack..., B, S, KV, D]}}``."""
-    cfg = model.cfg
-    shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
-    return {name: {"k": jnp.zeros(lead + shape, dtype), "v": jnp.zeros(lead + shape, dtype)}
+    """Zeros for every attention layer's cache (:func:`layer_cache`): ``{name: {entry: [stack..., *shape]}}``."""
+    shapes = layer_cache(model.cfg, batch, length)
+    return {name: {k: jnp.zeros(lead + shape, dtype) for k, shape in shapes.items()}
             for name, lead in _attention_layers(model)}
 
 
@@ -155,7 +165,7 @@ def forward(model, tokens: jax.Array, positions: jax.Array, cache: dict) -> tupl
     if "blocks" in cache:  # the dense GPT: one stack of blocks
         x, c = _scan(model.blocks, x, positions, cache["blocks"], _block, model.per_layer())
         cache = {"blocks": c}
-    else:  # the MoE decoder: groups of [dense..., MoE] blocks
+    else:  # the MoE decoder: its dense first layers, then groups of [dense..., MoE] blocks
         def group(g, h, pos, c):
             new = {}
             if g.dense is not None:
@@ -163,7 +173,11 @@ def forward(model, tokens: jax.Array, positions: jax.Array, cache: dict) -> tupl
             h, new["moe"] = _block(g.moe, h, pos, c["moe"])
             return h, new
 
-        x, cache = _scan(model.blocks, x, positions, cache, group)
+        first = {}
+        if "first" in cache:
+            x, first["first"] = _scan(model.first, x, positions, cache["first"], _block)
+        x, groups = _scan(model.blocks, x, positions, {k: v for k, v in cache.items() if k != "first"}, group)
+        cache = {**first, **groups}
     x = model.norm_f(x)
     w, layout = model.output_weight()
     return vocab_logits(x, w, layout, model.dtype), cache
@@ -209,8 +223,8 @@ def window(cfg) -> int:
 def cache_bytes(model, rows: int, positions: int) -> int:
     """Bytes of the KV cache (:func:`empty_cache`) of ``rows`` rows of ``positions`` positions, all devices'
     shards together."""
-    cfg = model.cfg
-    per_row = 2 * positions * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+    per_row = sum(int(np.prod(shape)) for shape in layer_cache(model.cfg, 1, positions).values())
+    per_row *= jnp.dtype(model.dtype).itemsize
     return sum(int(np.prod(lead)) * rows * per_row for _, lead in _attention_layers(model))
 
 
@@ -264,11 +278,13 @@ class Generator:
         rows_sharding = NamedSharding(self.mesh, P(batch, None))
 
         def cache_sharding(cache):
-            def one(a):
+            def one(path, a):
+                if path[-1].key not in ("k", "v"):  # MLA's latent and shared key: every head reads them
+                    return NamedSharding(self.mesh, P(*(None,) * (a.ndim - 3), batch, None, None))
                 lead = a.ndim - 4
                 kv = tensor if tensor and a.shape[-2] % self.mesh.shape["tensor"] == 0 else None
                 return NamedSharding(self.mesh, P(*(None,) * lead, batch, None, kv, None))
-            return jax.tree.map(one, cache)
+            return jax.tree_util.tree_map_with_path(one, cache)
 
         return rows_sharding, cache_sharding
 
@@ -332,7 +348,7 @@ class Generator:
                               "needs at least 2")
         rows, split = len(prompts), self._split(len(prompts))[1]
         t = self.mesh.shape.get("tensor", 1) if self.mesh is not None else 1
-        cache = cache_bytes(model, rows, w) / split / (t if cfg.n_kv_heads % t == 0 else 1)
+        cache = cache_bytes(model, rows, w) / split / (t if cfg.n_kv_heads % t == 0 and not cfg.latent else 1)
         longest = min(max(len(q) for q in prompts), w)
         logits = rows / split * longest * model.outer()["embed"].padded_size * 4  # the prefill's, float32
         need = {"window": w, "rows": rows, "cache": cache, "logits": logits, "per_device": cache + logits}

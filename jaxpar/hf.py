@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: the families of :mod:`jaxpar.families` (GPT-2, Llama 1-3.x, Mistral,
-Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE).
+Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3).
 
 **Import.** ``python train.py model.init_from=hf:/path/to/dir ...`` starts a run from a local Hugging
 Face model directory (``config.json`` and ``model.safetensors`` or a sharded
@@ -78,6 +78,8 @@ def _effective(key: str, value, m: ModelConfig):
     """A key's value as the model computes with it (defaults spelled out), for comparing configs."""
     if key == "model.attn_scale":
         return value or m.head_dim ** -0.5
+    if key == "model.v_head_dim":
+        return value or m.head_dim
     if key == "model.rope_local_theta" and not value and m.rope_scaling == "none":
         return m.rope_theta  # the local layers' RoPE is the global one
     return value
@@ -94,8 +96,8 @@ def hf_config(cfg: Config) -> dict:
     dtype = m.param_dtype
     hf.update({"model_type": fam.MODEL_TYPE, "architectures": [fam.CLASS], "torch_dtype": dtype, "dtype": dtype})
     hard, _ = config_keys(hf)
-    if m.arch == "moe" and hard["moe.every"] == 1:  # every layer MoE: the dense width is unused (the experts'
-        del hard["model.d_ff"]                          # is moe.d_ff or it)
+    if m.arch == "moe" and hard["moe.every"] == 1 and not hard["moe.first_dense"]:  # every layer MoE: the dense
+        del hard["model.d_ff"]                          # width is unused (the experts' is moe.d_ff or it)
     for key, want in hard.items():
         section, name = key.split(".")
         have = getattr(m if section == "model" else cfg.moe, name)
@@ -136,21 +138,80 @@ def _layer_prefix(arch: str, layer: int) -> str:
     return f"h.{layer}." if arch == "gpt2" else f"model.layers.{layer}."
 
 
-def _stacks(m: ModelConfig, every: int) -> dict[tuple, tuple[bool, Callable[[int], int | list[int]]]]:
-    """The stacked subtrees: ``{path prefix: (moe, layers)}``; ``layers(g)`` is the Hugging Face layer of
-    stacked entry ``g``, or a list of them stacked on the next axis. A MoE model stacks groups of ``every``
-    layers (``moe.every``, :mod:`models.moe`): ``every - 1`` dense ones (``blocks/dense``), then the MoE one."""
+Stacks = dict[tuple, tuple[bool, int, Callable[[int], int | list[int]]]]
+
+
+def _stacks(m: ModelConfig, mc) -> Stacks:
+    """The stacked subtrees: ``{path prefix: (moe, entries, layers)}``; ``layers(g)`` is the Hugging Face layer
+    of stacked entry ``g`` (of ``entries``), or a list of them stacked on the next axis. A MoE model (``mc``: its
+    ``moe`` config) stacks its ``moe.first_dense`` dense first layers (``first``), then groups of ``every``
+    layers (``moe.every``, :mod:`models.moe`): ``every - 1`` dense ones (``blocks/dense``), then the MoE one.
+    The ``blocks`` stacks are in the layout's storage order (:meth:`jaxpar.trainer.Trainer.layer_order`)."""
     if m.arch != "moe":
-        return {("blocks",): (False, lambda g: g)}
-    out: dict[tuple, tuple[bool, Callable[[int], int | list[int]]]] = {
-        ("blocks", "moe"): (True, lambda g: g * every + every - 1)}
+        return {("blocks",): (False, m.n_layers, lambda g: g)}
+    every, first = mc.every, mc.first_dense
+    groups = mc.groups(m.n_layers)
+    out: Stacks = {("blocks", "moe"): (True, groups, lambda g: first + g * every + every - 1)}
     if every > 1:
-        out[("blocks", "dense")] = (False, lambda g: [g * every + s for s in range(every - 1)])
+        out[("blocks", "dense")] = (False, groups, lambda g: [first + g * every + s for s in range(every - 1)])
+    if first:
+        out[("first",)] = (False, first, lambda g: g)
     return out
 
 
-def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> dict[tuple, Callable]:
-    """``{path: fn(t)}``: each parameter's builder of one layer, a dense or (``moe``) a MoE one."""
+def _rope_columns(p: int, inverse: bool = False) -> np.ndarray:
+    """DeepSeek's interleaved RoPE pairs as jaxpar's halves (:mod:`jaxpar.families.deepseek_v3`): the
+    published column order's even entries, then its odd ones (``inverse``: back)."""
+    order = np.concatenate([np.arange(0, p, 2), np.arange(1, p, 2)])
+    return np.argsort(order) if inverse else order
+
+
+def _latent_to_jaxpar(m: ModelConfig, interleaved: bool) -> dict[tuple, Callable]:
+    """MLA's projections (:class:`~jaxpar.layers.latent_attention.LatentAttention`) from DeepSeek's names."""
+    d, h, hd, r, p, v = m.d_model, m.n_heads, m.head_dim, m.kv_lora_rank, m.rope_head_dim, m.v_head_dim
+    rope = _rope_columns(p) if interleaved else np.arange(p)
+    q_cols = np.concatenate([np.arange(hd - p), hd - p + rope])
+    kv_cols = np.concatenate([np.arange(r), r + rope])
+    out: dict[tuple, Callable] = {
+        ("attn", "kv_down", "kernel"): lambda t: t("self_attn.kv_a_proj_with_mqa.weight").T[:, kv_cols],
+        ("attn", "kv_norm", "scale"): lambda t: t("self_attn.kv_a_layernorm.weight"),
+        ("attn", "kv_up", "kernel"): lambda t: t("self_attn.kv_b_proj.weight").T.reshape(r, h, hd - p + v),
+        ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, v, d)}
+    if m.q_lora_rank:
+        out.update({
+            ("attn", "q_down", "kernel"): lambda t: t("self_attn.q_a_proj.weight").T,
+            ("attn", "q_norm", "scale"): lambda t: t("self_attn.q_a_layernorm.weight"),
+            ("attn", "q_up", "kernel"): lambda t: t("self_attn.q_b_proj.weight").T.reshape(-1, h, hd)[..., q_cols]})
+    else:
+        out[("attn", "q_up", "kernel")] = lambda t: t("self_attn.q_proj.weight").T.reshape(d, h, hd)[..., q_cols]
+    return out
+
+
+def _latent_to_hf(m: ModelConfig) -> dict[str, Callable]:
+    """MLA's projections under DeepSeek's names, its RoPE columns interleaved again (``rope_interleave``)."""
+    d, h, hd, r, p, v = m.d_model, m.n_heads, m.head_dim, m.kv_lora_rank, m.rope_head_dim, m.v_head_dim
+    rope = _rope_columns(p, inverse=True)
+    q_cols = np.concatenate([np.arange(hd - p), hd - p + rope])
+    kv_cols = np.concatenate([np.arange(r), r + rope])
+    q_up = ("attn", "q_up", "kernel")
+    out: dict[str, Callable] = {
+        "self_attn.kv_a_proj_with_mqa.weight": lambda a: a(("attn", "kv_down", "kernel"))[:, kv_cols].T,
+        "self_attn.kv_a_layernorm.weight": lambda a: a(("attn", "kv_norm", "scale")),
+        "self_attn.kv_b_proj.weight": lambda a: a(("attn", "kv_up", "kernel")).reshape(r, -1).T,
+        "self_attn.o_proj.weight": lambda a: a(("attn", "o", "kernel")).reshape(h * v, d).T}
+    if m.q_lora_rank:
+        out.update({"self_attn.q_a_proj.weight": lambda a: a(("attn", "q_down", "kernel")).T,
+                    "self_attn.q_a_layernorm.weight": lambda a: a(("attn", "q_norm", "scale")),
+                    "self_attn.q_b_proj.weight": lambda a: a(q_up)[..., q_cols].reshape(m.q_lora_rank, -1).T})
+    else:
+        out["self_attn.q_proj.weight"] = lambda a: a(q_up)[..., q_cols].reshape(d, -1).T
+    return out
+
+
+def _to_jaxpar(arch: str, m: ModelConfig, mc, moe: bool = False, interleaved: bool = True) -> dict[tuple, Callable]:
+    """``{path: fn(t)}``: each parameter's builder of one layer, a dense or (``moe``) a MoE one (``mc``: the
+    ``moe`` config; ``interleaved``: MLA's RoPE columns published in interleaved pairs)."""
+    n_experts = mc.n_experts
     d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     g = h // kv
     if arch == "gpt2":
@@ -180,9 +241,9 @@ def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> 
     def read(name: str, shape: tuple | None) -> Callable:
         return lambda t: t(name) if shape is None else t(name).reshape(shape)
 
-    layer: dict[tuple, Callable] = {
+    layer: dict[tuple, Callable] = (_latent_to_jaxpar(m, interleaved) if m.latent else {
         ("attn", "qkv", "kernel"): qkv,
-        ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d)}
+        ("attn", "o", "kernel"): lambda t: t("self_attn.o_proj.weight").T.reshape(h, hd, d)})
     for path, name in _decoder_extras(m).items():
         layer[path] = read(name, {"q_bias": (h, hd), "k_bias": (kv, hd), "v_bias": (kv, hd)}.get(path[-1]))
     if not moe:
@@ -212,12 +273,21 @@ def _to_jaxpar(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> 
         return (t("mlp.gate.weight") if t.has("mlp.gate.weight") else t(f"{block}.gate.weight")).T
 
     layer.update({("mlp", "router"): router, ("mlp", "w_in"): w_in, ("mlp", "w_out"): w_out})
+    family = FAMILIES[arch]
+    if mc.shared_experts:
+        sh = family.SHARED
+        layer[("mlp", "shared", "up", "kernel")] = lambda t: np.stack([t(f"{sh}.gate_proj.weight").T,
+                                                                       t(f"{sh}.up_proj.weight").T], axis=1)
+        layer[("mlp", "shared", "down", "kernel")] = lambda t: t(f"{sh}.down_proj.weight").T
+    if mc.router_bias or mc.bias_update_rate > 0:
+        layer[("mlp", "router_bias")] = lambda t: t(family.ROUTER_BIAS)
     return layer
 
 
-def _to_hf(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> dict[str, Callable]:
+def _to_hf(arch: str, m: ModelConfig, mc, moe: bool = False) -> dict[str, Callable]:
     """``{layer-relative HF name: fn(p)}`` of a dense or (``moe``) a MoE layer, ``p(path)`` being one layer's
-    jaxpar parameter."""
+    jaxpar parameter (``mc``: the ``moe`` config)."""
+    n_experts = mc.n_experts
     d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     if arch == "gpt2":
         def c_attn_bias(p):
@@ -239,9 +309,10 @@ def _to_hf(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> dict
     def qkv_part(lo: int, hi: int):
         return lambda p: p(("attn", "qkv", "kernel"))[:, :, lo:hi].reshape(d, -1).T
 
-    out = {"self_attn.q_proj.weight": qkv_part(0, g), "self_attn.k_proj.weight": qkv_part(g, g + 1),
-           "self_attn.v_proj.weight": qkv_part(g + 1, g + 2),
-           "self_attn.o_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d).T}
+    out = _latent_to_hf(m) if m.latent else {
+        "self_attn.q_proj.weight": qkv_part(0, g), "self_attn.k_proj.weight": qkv_part(g, g + 1),
+        "self_attn.v_proj.weight": qkv_part(g + 1, g + 2),
+        "self_attn.o_proj.weight": lambda p: p(("attn", "o", "kernel")).reshape(h * hd, d).T}
     for path, name in _decoder_extras(m).items():
         out[name] = lambda p, path=path: p(path).reshape(-1) if path[-1].endswith("_bias") else p(path)
     if not moe:
@@ -255,14 +326,21 @@ def _to_hf(arch: str, m: ModelConfig, n_experts: int, moe: bool = False) -> dict
         out[f"{block}.experts.{i}.{gate}.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 0].T
         out[f"{block}.experts.{i}.{up}.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 1].T
         out[f"{block}.experts.{i}.{down}.weight"] = lambda p, i=i: p(("mlp", "w_out"))[i].T
+    family = FAMILIES[arch]
+    if mc.shared_experts:
+        out.update({f"{family.SHARED}.gate_proj.weight": lambda p: p(("mlp", "shared", "up", "kernel"))[:, 0].T,
+                    f"{family.SHARED}.up_proj.weight": lambda p: p(("mlp", "shared", "up", "kernel"))[:, 1].T,
+                    f"{family.SHARED}.down_proj.weight": lambda p: p(("mlp", "shared", "down", "kernel")).T})
+    if mc.router_bias or mc.bias_update_rate > 0:
+        out[family.ROUTER_BIAS] = lambda p: p(("mlp", "router_bias"))
     return out
 
 
-def _layer_kinds(m: ModelConfig, every: int) -> list[tuple[bool, tuple, tuple]]:
+def _layer_kinds(m: ModelConfig, mc) -> list[tuple[bool, tuple, tuple]]:
     """Each Hugging Face layer's ``(moe, stack prefix, index in the stacked parameters)``."""
     out: dict[int, tuple[bool, tuple, tuple]] = {}
-    for prefix, (moe, layers) in _stacks(m, every).items():
-        for g in range(m.n_layers // every):
+    for prefix, (moe, entries, layers) in _stacks(m, mc).items():
+        for g in range(entries):
             at = layers(g)
             out.update({at: (moe, prefix, (g,))} if isinstance(at, int) else
                        {i: (moe, prefix, (g, s)) for s, i in enumerate(at)})
@@ -326,16 +404,34 @@ def _pad(a: np.ndarray, size: int, axis: int) -> np.ndarray:
     return np.pad(a, widths)
 
 
-def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int, every: int) -> None:
-    """Every tensor in the files is one the mapping reads (else jaxpar would build a different model)."""
-    kinds = [moe for moe, _, _ in _layer_kinds(m, every)]
-    names = {moe: set(_to_hf(arch, m, n_experts, moe)) for moe in set(kinds)}
+def _skipped(files: _Files, hf: dict, arch: str) -> list[str]:
+    """The files' tensors that are not the model (the family's ``skipped``: DeepSeek-V3's multi-token
+    prediction), noted on stderr once."""
+    import sys
+
+    prefixes = tuple(getattr(FAMILIES[arch], "skipped", lambda _: [])(hf))
+    out = sorted(n for n in files.where if prefixes and n.startswith(prefixes))
+    if out:
+        print(f"note: {files.d}: {len(out)} tensor(s) of its multi-token-prediction layer(s) "
+              f"({', '.join(p.rstrip('.') for p in prefixes)}: e.g. {out[0]}) are not part of the next-token model and "
+              "are not loaded", file=sys.stderr)
+    return out
+
+
+def _check_names(files: _Files, arch: str, m: ModelConfig, mc, skipped: list[str]) -> None:
+    """Every tensor in the files is one the mapping reads (else jaxpar would build a different model), but
+    the family's ``skipped`` ones."""
+    kinds = [moe for moe, _, _ in _layer_kinds(m, mc)]
+    names = {moe: set(_to_hf(arch, m, mc, moe)) for moe in set(kinds)}
     known = {files.prefix + n if arch == "gpt2" else n for n in _top_names(arch, bool(m.tie_embeddings))}
     known |= {(files.prefix if arch == "gpt2" else "") + _layer_prefix(arch, i) + n
               for i, moe in enumerate(kinds) for n in names[moe] | (set(_FUSED) if moe else set())}
     if arch == "gpt2" or m.tie_embeddings:
         known.add("lm_head.weight")  # tied: the same matrix as the embedding
-    extra = sorted(n for n in files.where if n not in known and not n.endswith(_BUFFERS))
+    known |= set(skipped)
+    # (tensors with no element hold no weight: transformers' DeepSeek-V3 keeps 0-wide shared experts when it has none)
+    extra = sorted(n for n in files.where if n not in known and not n.endswith(_BUFFERS)
+                   and 0 not in files.files.shape(n))
     if extra:
         raise ConfigError(f"{files.d}: {len(extra)} tensor(s) that a {CLASSES[arch]} as jaxpar builds it does not "
                           f"have, e.g. {extra[0]!r}: refusing to load a different model")
@@ -347,7 +443,7 @@ def _check_names(files: _Files, arch: str, m: ModelConfig, n_experts: int, every
         need = names[moe]
         if moe and view.has("mlp.experts.gate_up_proj"):  # transformers 5's fused experts
             block = FAMILIES[arch].MOE_NAMES[0]
-            need = {n for n in need if not n.startswith(f"{block}.gate.") and not n.startswith(f"{block}.experts.")}
+            need = {n for n in need if n != f"{block}.gate.weight" and not n.startswith(f"{block}.experts.")}
             need |= set(_FUSED)
         for n in sorted(need):
             files.name(view.prefix + n)
@@ -359,13 +455,14 @@ def load_params(trainer, d: str | Path) -> dict:
     d = Path(d)
     cfg = trainer.cfg
     m = cfg.model.resolved()
-    arch = _arch(read_config(d), f"{d}/config.json")
+    hf = read_config(d)
+    arch = _arch(hf, f"{d}/config.json")
     files = _Files(d)
-    every = cfg.moe.every if m.arch == "moe" else 1
-    _check_names(files, arch, m, cfg.moe.n_experts, every)
-    stacks = {prefix: (_to_jaxpar(arch, m, cfg.moe.n_experts, moe), layers)
-              for prefix, (moe, layers) in _stacks(m, every).items()}
-    order = trainer.layer_order(m.n_layers // every)
+    _check_names(files, arch, m, cfg.moe, _skipped(files, hf, arch))
+    interleaved = bool(hf.get("rope_interleave", True))
+    stacks = {prefix: (_to_jaxpar(arch, m, cfg.moe, moe, interleaved), layers, prefix[0] == "blocks")
+              for prefix, (moe, _, layers) in _stacks(m, cfg.moe).items()}
+    order = trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == "moe" else m.n_layers)
     embed = "wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
     vp = trainer.adapter.abstract["embed"]["embedding"].shape[0]
     norm = ("ln_f" if arch == "gpt2" else "model.norm") + ".weight"
@@ -395,8 +492,9 @@ def load_params(trainer, d: str | Path) -> dict:
         if prefix is None:
             out.append((path, _place(a, _at(shardings, path), top[path], None)))
         else:
-            per_layer, layers = stacks[prefix]
-            out.append((path, _place(a, _at(shardings, path), entry(per_layer[path[len(prefix):]], layers), order)))
+            per_layer, layers, ordered = stacks[prefix]
+            out.append((path, _place(a, _at(shardings, path), entry(per_layer[path[len(prefix):]], layers),
+                                     order if ordered else np.arange(a.shape[0]))))
     return _nest(out)
 
 
@@ -437,11 +535,9 @@ def hf_tensors(trainer, params: dict):
     cfg = trainer.cfg
     hf = hf_config(cfg)
     arch, m = hf["model_type"], cfg.model.resolved()
-    every = cfg.moe.every if m.arch == "moe" else 1
-    inverse = np.argsort(trainer.layer_order(m.n_layers // every))
+    inverse = np.argsort(trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == "moe" else m.n_layers))
     host = {p: _host(_at(params, p)) for p in trainer.adapter.paths}
-    stacked = tuple(_stacks(m, every))
-    host = {p: a[inverse] if any(p[: len(q)] == q for q in stacked) else a for p, a in host.items()}
+    host = {p: a[inverse] if p[0] == "blocks" else a for p, a in host.items()}
     v = m.vocab_size
     if arch == "gpt2":
         top = {"wte.weight": host["embed", "embedding"][:v], "wpe.weight": host[("pos_embed",)],
@@ -452,8 +548,8 @@ def hf_tensors(trainer, params: dict):
         yield "model.norm.weight", host["norm_f", "scale"]
         if not m.tie_embeddings:
             yield "lm_head.weight", host["head", "kernel"][:, :v].T
-    kinds = _layer_kinds(m, every)
-    per_layer = {moe: _to_hf(arch, m, cfg.moe.n_experts, moe) for moe in {moe for moe, _, _ in kinds}}
+    kinds = _layer_kinds(m, cfg.moe)
+    per_layer = {moe: _to_hf(arch, m, cfg.moe, moe) for moe in {moe for moe, _, _ in kinds}}
     for i, (moe, prefix, at) in enumerate(kinds):
         name = ("transformer." if arch == "gpt2" else "") + _layer_prefix(arch, i)
         for k, fn in per_layer[moe].items():

@@ -129,6 +129,13 @@ class Safetensors:
         self._headers[file] = (offset, entries)
         return offset, entries
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, from its file's header."""
+        file = self.where[name]
+        if file not in self._headers:
+            self._open(file)
+        return tuple(self._headers[file][1][name]["shape"])
+
     def read(self, name: str) -> np.ndarray:
         """The tensor ``name`` (read-only, memory-mapped)."""
         file = self.where[name]

@@ -180,6 +180,7 @@ def make_rules(par: ParallelConfig, mesh: Mesh | None = None) -> RuleSet:
         "head_dim": (), "act_head_dim": (), "fused": (), "act_embed": (), "positions": (), "norm": (),
         "layers": ("pipe",),
         "experts": ("expert",), "stages": ("pipe",), "router": (), "sublayers": (),
+        "latent": (),  # MLA's latents (query and key/value): whole on every device, the heads they feed split
     }
     def zero(stage: int) -> dict:  # where `embed` goes at this ZeRO stage
         on = par.zero >= stage
@@ -195,8 +196,10 @@ ZERO_AXES = ("data", "expert", "seq")
 EXPERT_ZERO_AXES = ("data", "seq")  # expert weights: their experts dim is already split over expert
 
 
-def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int], every: int = 1) -> None:
-    """Divisibility of the model by the mesh, with errors naming config keys."""
+def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int], every: int = 1,
+                     first_dense: int = 0) -> None:
+    """Divisibility of the model by the mesh, with errors naming config keys (``every``, ``first_dense``: a MoE
+    model's ``moe.every`` and ``moe.first_dense``)."""
     m = model.resolved()
     t = sizes["tensor"]
     for key, v in (("n_heads", m.n_heads), ("d_ff", m.d_ff)):
@@ -225,13 +228,16 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
                           f"{n * t}, which does not divide it")
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     if s_ > 1:
-        if m.n_layers % (s_ * r_):
+        groups = (m.n_layers - first_dense) // every  # a MoE model stacks groups of moe.every layers
+        if every == 1 and not first_dense and m.n_layers % (s_ * r_):
             raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pipe x "
                               f"parallel.pipeline_repeats = {s_ * r_} (stages x layer groups per stage)")
-        if (m.n_layers // every) % (s_ * r_):  # a MoE model stacks groups of moe.every layers
-            raise ConfigError(f"model.n_layers={m.n_layers} / moe.every={every} = {m.n_layers // every} stacked "
-                              f"layer groups is not divisible by parallel.pipe x parallel.pipeline_repeats = "
-                              f"{s_ * r_}; change moe.every, model.n_layers or the pipeline")
+        if groups % (s_ * r_):
+            dense = f" after the moe.first_dense={first_dense} dense ones (with the embedding)" if first_dense else ""
+            raise ConfigError(f"model.n_layers={m.n_layers}: its {m.n_layers - first_dense} layers{dense} / moe.every="
+                              f"{every} = {groups} stacked layer groups is not divisible by parallel.pipe x "
+                              f"parallel.pipeline_repeats = {s_ * r_}; change moe.every, model.n_layers or the "
+                              "pipeline")
         mb = par.microbatches or s_
         if mb < s_:
             raise ConfigError(f"parallel.microbatches={mb} is fewer than the {s_} pipeline stages (parallel.pipe); "

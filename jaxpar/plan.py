@@ -179,7 +179,7 @@ class Planner:
         from jaxpar.partitioning import check_batch_fits, check_model_fits
 
         validate(cfg)
-        check_model_fits(cfg.model, cfg.parallel, sizes, cfg.moe.every if cfg.model.arch == "moe" else 1)
+        check_model_fits(cfg.model, cfg.parallel, sizes, *cfg.moe.stacking(cfg.model.arch))
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, sizes, cfg.parallel.microbatches)
 
     def estimate(self, overrides: dict) -> Estimate:

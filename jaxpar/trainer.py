@@ -109,7 +109,7 @@ class Trainer:
         self.sizes = dict(self.mesh.shape)
         self.platform = self.mesh.devices.flat[0].platform
         check_remat(cfg.model.remat, self.mesh.devices.flat[0])
-        check_model_fits(cfg.model, cfg.parallel, self.sizes, cfg.moe.every if cfg.model.arch == "moe" else 1)
+        check_model_fits(cfg.model, cfg.parallel, self.sizes, *cfg.moe.stacking(cfg.model.arch))
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes, cfg.parallel.microbatches)
         self.rules = make_rules(cfg.parallel, self.mesh)
         if build_model is None:

@@ -14,7 +14,9 @@ The families of today are switches of this one block, never branches on a family
 :class:`jaxpar.config.ModelConfig`): Q/K/V biases (Qwen2.5), QK-norm (Qwen3, Gemma 3), RoPE scaling
 (Llama 3.1 ``llama3``, ``linear``), sliding windows (Mistral), and Gemma 3's sandwich norms
 (``x + norm(f(norm(x)))``), ``(1 + w)`` RMSNorm, GeGLU, embeddings scaled by sqrt(d_model), its
-attention scale, and local (sliding-window, own RoPE base) layers interleaved with global ones: the
+attention scale, DeepSeek's Multi-head Latent Attention (``model.kv_lora_rank``:
+:class:`~jaxpar.layers.latent_attention.LatentAttention` in place of ``Attention``), and local
+(sliding-window, own RoPE base) layers interleaved with global ones: the
 window is a per-layer value scanned with the weights (:class:`~jaxpar.layers.stack.Stack`'s
 ``per_layer``), so such a stack is still one scan.
 """
@@ -29,7 +31,8 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.layers import MLP, Attention, ColumnParallelLinear, VocabParallelEmbed, make_norm, padded_init
+from jaxpar.layers import (MLP, Attention, ColumnParallelLinear, LatentAttention, VocabParallelEmbed, make_norm,
+                           padded_init)
 from jaxpar.layers.attention_ops import rope_frequencies
 from jaxpar.layers.context_parallel import zigzag_order
 from jaxpar.layers.embedding import vocab_logits
@@ -45,10 +48,10 @@ def rope_freqs(cfg: ModelConfig) -> tuple[tuple[float, ...] | None, tuple[float,
     sliding-window layers when they have their own base (``model.rope_local_theta``; else None)."""
     if cfg.positions != "rope":
         return None, None
-    glob = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
+    glob = rope_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
                             cfg.rope_high_freq_factor, cfg.rope_original_context, cfg.rope_beta_fast,
                             cfg.rope_beta_slow)
-    return glob, rope_frequencies(cfg.head_dim, cfg.rope_local_theta) if cfg.rope_local_theta else None
+    return glob, rope_frequencies(cfg.rope_dim, cfg.rope_local_theta) if cfg.rope_local_theta else None
 
 
 class Block(nnx.Module):
@@ -66,13 +69,24 @@ class Block(nnx.Module):
         sandwich = cfg.norm_placement == "sandwich"
         glob, local = rope_freqs(cfg)
         self.norm1 = make_norm(cfg.norm, cfg.d_model, **norm)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, use_bias=cfg.bias,
-                              qkv_bias=cfg.qkv_bias, rope_freqs=glob, rope_local_freqs=local, qk_norm=cfg.qk_norm,
-                              norm_eps=cfg.norm_eps, norm_plus_one=cfg.norm_plus_one, scale=cfg.attn_scale or None,
-                              window=0 if cfg.global_every else cfg.sliding_window,
-                              rope_scale=cfg.yarn_attention_factor() if cfg.rope_scaling == "yarn" else 1.0,
-                              init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, tensor=tensor,
-                              dtype=dtype, param_dtype=pd, rngs=rngs)
+        window = 0 if cfg.global_every else cfg.sliding_window
+        rope_scale = cfg.yarn_attention_factor() if cfg.rope_scaling == "yarn" else 1.0
+        self.attn: Attention | LatentAttention
+        if cfg.latent:
+            assert glob is not None  # (validated: MLA needs RoPE)
+            self.attn = LatentAttention(cfg.d_model, cfg.n_heads, cfg.head_dim, rope_dim=cfg.rope_head_dim,
+                                        v_head_dim=cfg.v_head_dim, q_rank=cfg.q_lora_rank, kv_rank=cfg.kv_lora_rank,
+                                        rope_freqs=glob, rope_scale=rope_scale, scale=cfg.attn_scale or None,
+                                        window=window, init_std=cfg.init_std,
+                                        out_init_std=out_std, kernel=cfg.attention, use_bias=cfg.bias, dtype=dtype,
+                                        param_dtype=pd, rngs=rngs)
+        else:
+            self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, use_bias=cfg.bias,
+                                  qkv_bias=cfg.qkv_bias, rope_freqs=glob, rope_local_freqs=local, qk_norm=cfg.qk_norm,
+                                  norm_eps=cfg.norm_eps, norm_plus_one=cfg.norm_plus_one,
+                                  scale=cfg.attn_scale or None, window=window, rope_scale=rope_scale,
+                                  init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, tensor=tensor,
+                                  dtype=dtype, param_dtype=pd, rngs=rngs)
         self.post_norm1 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None
         self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.mlp = (ffn(rngs) if ffn is not None else
@@ -144,6 +158,11 @@ class GPT(nnx.Module):
         """The modules around the layer stack: embedding, positions, final norm and head."""
         return {"embed": self.embed, "pos_embed": self.pos_embed, "norm_f": self.norm_f, "head": self.head}
 
+    def lead_in(self, outer: dict, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
+        """Layers run with the embedding, before the stack (under a pipeline: on the first stage; ``outer``
+        holds their weights); none here (a MoE decoder's dense first layers)."""
+        return x
+
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
                doc_positions: jax.Array | None = None) -> jax.Array:
         """The final-normed residual stream ``[B, T, d_model]`` of ``tokens`` at global ``positions [T]``
@@ -201,13 +220,15 @@ class GPT(nnx.Module):
         docs = docs or {}
         b = tokens.shape[0]
         if docs:  # each token's share of the whole batch's loss: weight / the batch's trained tokens
-            tokens = {"tokens": tokens, "positions": docs["positions"]}
+            tokens = {"tokens": tokens, "positions": docs["positions"], "segment_ids": docs["segment_ids"]}
             targets = {"targets": targets, "weights": docs["weights"] / loss_denominator(docs)}
 
         def first_fn(o, tok):
+            mods = nnx.merge(outer_def, o)
             if isinstance(tok, dict):
-                return embed_tokens(nnx.merge(outer_def, o), cfg, dtype, tok["tokens"], tok["positions"])
-            return embed_tokens(nnx.merge(outer_def, o), cfg, dtype, tok, positions)
+                x = embed_tokens(mods, cfg, dtype, tok["tokens"], tok["positions"])
+                return self.lead_in(mods, x, positions, segment_ids=tok["segment_ids"], doc_positions=tok["positions"])
+            return self.lead_in(mods, embed_tokens(mods, cfg, dtype, tok, positions), positions)
 
         def last_fn(o, h, tgt):
             mods = nnx.merge(outer_def, o)

@@ -2,14 +2,20 @@
 with :mod:`models.gpt`.
 
     x = embed(tokens) (+ learned positions)                       # GPT's
-    for each of n_layers / every groups (stacked weights, lax.scan):
+    for each of moe.first_dense dense blocks (GPT's Block, a lax.scan): x = x + attn(..); x = x + mlp(..)
+    for each of (n_layers - first_dense) / every groups (stacked weights, lax.scan):
         every - 1 dense blocks (GPT's Block, an inner lax.scan):  x = x + attn(norm1(x)); x = x + mlp(norm2(x))
         one MoE block:                                            x = x + attn(norm1(x)); x = x + moe(norm2(x))
     logits = head(norm_f(x))                                      # GPT's
     loss = CE + aux_loss_weight * sum_layers balance + z_loss_weight * sum_layers z
 
 ``moe.every = 1`` makes every layer MoE (Mixtral); ``every = 2`` alternates dense and MoE (Switch),
-the MoE layers being the last of each group. The MoE layer (:class:`jaxpar.layers.MoE`) routes each
+the MoE layers being the last of each group. ``moe.first_dense = k`` puts k dense layers before the
+groups (DeepSeek-V3's ``first_k_dense_replace``): a stack of their own, not split over ``pipe``;
+under a pipeline they run with the embedding, inside the first stage's part of the schedule (as the
+embedding, every stage computes them and only the first stage's result is used: 3 of DeepSeek-V3's
+61 layers: on 16 stages each stage computes about 3 + 58/16 layers).
+The MoE layer (:class:`jaxpar.layers.MoE`) routes each
 token to its top-k experts, which live split over the ``expert`` mesh axis and are reached by
 all-to-all; attention, norms, embeddings and dense MLPs are GPT's and use ``expert`` as extra data
 parallelism (the ``batch`` rule maps to ``data, expert``).
@@ -52,6 +58,7 @@ class MoEBlock(Block):
                        kind=cfg.mlp, init_std=cfg.init_std, out_init_std=out_std, shared_experts=moe.shared_experts,
                        score=moe.score, dispatch=moe.dispatch_path(), bias_update_rate=moe.bias_update_rate,
                        groups=moe.n_group, top_groups=moe.topk_group, gate_scale=moe.routed_scaling_factor,
+                       routing_bias=moe.router_bias,
                        dtype=dtype, param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts, tensor=tensor)
@@ -87,11 +94,26 @@ class MoETransformer(GPT):
         super().__init__(cfg, tensor=tensor, rngs=rngs)
 
     def make_blocks(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
-        groups = cfg.n_layers // self.moe_cfg.every
-        return Stack.create(lambda r: MoEGroup(cfg, self.moe_cfg, dtype=dtype, rngs=r, tensor=self.tensor), groups,
-                            rngs)
+        m = self.moe_cfg
+        # the dense first layers (moe.first_dense): their own stack, never split over pipe (module docstring)
+        self.first = (Stack.create(lambda r: Block(cfg, dtype=dtype, rngs=r, tensor=self.tensor), m.first_dense, rngs,
+                                   axis="sublayers")
+                      if m.first_dense else None)
+        return Stack.create(lambda r: MoEGroup(cfg, m, dtype=dtype, rngs=r, tensor=self.tensor),
+                            m.groups(cfg.n_layers), rngs)
+
+    def outer(self) -> dict:
+        """GPT's, and the dense first layers (run with the embedding: on the first stage of a pipeline)."""
+        return {**super().outer(), "first": self.first}
+
+    def lead_in(self, outer: dict, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
+        """The dense first layers (``moe.first_dense``) on the embedded ``x``."""
+        if outer["first"] is None:
+            return x
+        return Stack(outer["first"], remat=self.cfg.remat, pipelined=False, rows=docs)(x, positions)
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
+        x = self.lead_in(self.outer(), x, positions, **docs)
         x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True, rows=docs)(x, positions)
         # GPT's hidden() returns only the residual stream: the router statistics ([groups] / [groups, E]) leave
         # through Flax's intermediates, collected by nnx.capture in loss / __call__.

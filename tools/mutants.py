@@ -406,8 +406,8 @@ MUTANTS = [
       '"mlp.gate_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 1].T',
       ["tests/test_families.py::test_export_is_bit_identical_and_trained_export_loads[llama3]"]),
     M("hf-export-layer-order-not-inverted", "hf-mapping", "jaxpar/hf.py",
-      "inverse = np.argsort(trainer.layer_order(m.n_layers // every))",
-      "inverse = trainer.layer_order(m.n_layers // every)",
+      "inverse = np.argsort(trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == \"moe\" else m.n_layers))",
+      "inverse = trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == \"moe\" else m.n_layers)",
       ["tests/test_untested_configs.py::test_circular_layout_imports_and_exports_hugging_face_in_layer_order"],
       note="tests/test_hf.py's circular export uses 4 layers on pipe=2 x repeats=2, whose storage order is its own "
            "inverse; this target round-trips pipe=2 x repeats=3 (6 layers)"),

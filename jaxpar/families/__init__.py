@@ -13,15 +13,18 @@ A family module names its ``config.json`` ``model_type`` (``MODEL_TYPE``) and it
 The weights' names follow from the switches, not from the family (:mod:`jaxpar.hf`): GPT-2 has its own
 table; every other family uses the Llama names, with Q/K/V biases, QK-norm weights and Gemma's
 sandwich norms where the switches say so, and for the MoE decoder the experts' names its family module
-gives (``MOE_NAMES``: Mixtral's ``block_sparse_moe.experts.{i}.w1``, Qwen3-MoE's ``mlp.experts.{i}.gate_proj``).
+gives (``MOE_NAMES``: Mixtral's ``block_sparse_moe.experts.{i}.w1``, Qwen3-MoE's ``mlp.experts.{i}.gate_proj``;
+DeepSeek-V3's also ``SHARED`` experts and ``ROUTER_BIAS``), and MLA's projections where ``model.kv_lora_rank``
+says so. A family may name tensors of its checkpoints that are not the model (``skipped(hf)``: DeepSeek-V3's
+multi-token-prediction layers), which the import leaves out with a note.
 """
 
 from __future__ import annotations
 
 from jaxpar.errors import ConfigError
-from jaxpar.families import gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from jaxpar.families import deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe)}
+FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe, deepseek_v3)}
 CLASSES = {k: f.CLASS for k, f in FAMILIES.items()}
 
 
@@ -38,6 +41,8 @@ def for_model(m, arch: str):
     distinguishing switch it uses, in this order (the exporter then checks every other switch)."""
     if m.positions == "learned":
         return gpt2
+    if m.latent:
+        return deepseek_v3
     if arch == "moe":
         return qwen3_moe if m.qk_norm else mixtral
     if m.norm_placement == "sandwich" or m.norm_plus_one or m.embed_scale or m.mlp == "geglu" or m.global_every:

@@ -11,7 +11,12 @@ from jaxpar.errors import ConfigError
 # switch and an export of a model that uses one its family lacks is refused by name
 PLAIN = {"model.qkv_bias": False, "model.qk_norm": False, "model.norm_placement": "pre", "model.norm_plus_one": False,
          "model.embed_scale": False, "model.attn_scale": 0.0, "model.sliding_window": 0, "model.global_every": 0,
-         "model.rope_local_theta": 0.0, "model.rope_scaling": "none"}
+         "model.rope_local_theta": 0.0, "model.rope_scaling": "none", "model.kv_lora_rank": 0, "model.q_lora_rank": 0,
+         "model.rope_head_dim": 0, "model.v_head_dim": 0}
+
+# every MoE switch at its plain value (a MoE family sets what it uses)
+MOE_PLAIN = {"moe.every": 1, "moe.first_dense": 0, "moe.score": "softmax", "moe.shared_experts": 0,
+             "moe.router_bias": False, "moe.n_group": 1, "moe.topk_group": 1, "moe.routed_scaling_factor": 1.0}
 
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxpar.families.common import decoder_config, decoder_keys, require
+from jaxpar.families.common import MOE_PLAIN, decoder_config, decoder_keys, require
 
 MODEL_TYPE, CLASS = "mixtral", "MixtralForCausalLM"
 
@@ -19,7 +19,7 @@ def config_keys(hf: dict, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     hard = decoder_keys(hf, where)
     hard["model.sliding_window"] = hf.get("sliding_window") or 0
     k, n = hf.get("num_experts_per_tok", 2), hf["num_hidden_layers"]
-    hard.update({"model.arch": "moe", "moe.n_experts": hf.get("num_local_experts", 8), "moe.top_k": k,
+    hard.update({"model.arch": "moe", **MOE_PLAIN, "moe.n_experts": hf.get("num_local_experts", 8), "moe.top_k": k,
                  "moe.every": 1, "moe.d_ff": hf["intermediate_size"], "moe.score": "softmax",
                  "moe.renormalize": True, "moe.shared_experts": 0, "moe.bias_update_rate": 0.0})
     soft = {"moe.dropless": True, "moe.aux_loss_weight": hf.get("router_aux_loss_coef", 0.001) * k / n}

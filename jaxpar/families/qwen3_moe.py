@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.families.common import decoder_config, decoder_keys, full_attention_only, require
+from jaxpar.families.common import MOE_PLAIN, decoder_config, decoder_keys, full_attention_only, require
 
 MODEL_TYPE, CLASS = "qwen3_moe", "Qwen3MoeForCausalLM"
 
@@ -50,7 +50,7 @@ def config_keys(hf: dict, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     experts = hf.get("num_experts", hf.get("num_local_experts", 128))
     require(hf, where, "num_experts", lambda v: v >= 1, ">= 1; a model without experts is a qwen3 one", experts)
     every, k = _every(hf, where), hf.get("num_experts_per_tok", 8)
-    hard = {"model.arch": "moe", **decoder_keys(hf, where), "model.qk_norm": True,
+    hard = {"model.arch": "moe", **MOE_PLAIN, **decoder_keys(hf, where), "model.qk_norm": True,
             "moe.n_experts": experts, "moe.top_k": k, "moe.every": every,
             "moe.d_ff": hf.get("moe_intermediate_size", 768), "moe.score": "softmax",
             "moe.renormalize": bool(hf.get("norm_topk_prob", False)), "moe.shared_experts": 0,

@@ -8,6 +8,7 @@ from jaxpar.layers.attention import Attention
 from jaxpar.layers.attention_ops import attention, causal_attention, rope
 from jaxpar.layers.embedding import (VocabParallelEmbed, padded_init, padded_vocab, vocab_logits,
                                      vocab_parallel_cross_entropy)
+from jaxpar.layers.latent_attention import LatentAttention
 from jaxpar.layers.loss import head_cross_entropy
 from jaxpar.layers.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from jaxpar.layers.mlp import MLP
@@ -16,7 +17,8 @@ from jaxpar.layers.norm import LayerNorm, RMSNorm, make_norm
 from jaxpar.layers.stack import Stack
 
 __all__ = [
-    "Attention", "attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init", "padded_vocab",
+    "Attention", "LatentAttention", "attention", "causal_attention", "rope", "VocabParallelEmbed", "padded_init",
+    "padded_vocab",
     "vocab_logits", "vocab_parallel_cross_entropy", "head_cross_entropy", "ColumnParallelLinear", "ParallelLinear",
     "RowParallelLinear", "MLP", "LayerNorm", "RMSNorm", "make_norm", "MoE", "Routing", "balance_bias",
     "expert_capacity", "route", "Stack",

@@ -133,10 +133,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array 
                      k_seg=None) -> jax.Array:
     """The reference (``xla``) kernel: softmax attention with a causal mask, float32 scores and softmax.
 
-    ``q [B, T, H, D]``, ``k, v [B, S, KV, D]`` with ``H % KV == 0``; the mask compares global
+    ``q [B, T, H, D]``, ``k [B, S, KV, D]``, ``v [B, S, KV, Dv]`` with ``H % KV == 0`` (``Dv``: MLA's
+    value width may differ from the queries' and keys'); the mask compares global
     positions (default: query i at ``q_offset + i``, key j at j), within a sliding ``window`` when one
     is given, and segment ids ``q_seg [B, T]``, ``k_seg [B, S]`` when given (a query sees its own
-    document only). Scores are scaled by ``scale`` (default ``1/sqrt(D)``). Returns ``[B, T, H, D]``.
+    document only). Scores are scaled by ``scale`` (default ``1/sqrt(D)``). Returns ``[B, T, H, Dv]``.
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -145,7 +146,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array 
     scores = jnp.where(_heads(_mask(t, s, q_offset, q_pos, k_pos, window, q_seg, k_seg)), scores, NEG)
     p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = f32_einsum("bkgts,bskd->btkgd", p, v)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
 
 def _scale(scale, d: int) -> float:
@@ -239,7 +240,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
     scalar, e.g. a per-layer value scanned with the weights, for xla and cudnn). Scores are scaled by
     ``scale`` (default ``1/sqrt(D)``). Packed documents: segment ids ``q_seg [B, T]``, ``k_seg [B, S]``
     keep each query inside its document (xla and cudnn: in the mask; pallas: the splash kernel's own
-    segment ids).
+    segment ids). Values narrower than the queries (``v [B, S, KV, Dv]``, MLA) are zero-padded to ``D``
+    for the fused kernels, which take one head width, and the output cut back to ``Dv``.
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -248,6 +250,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
         kernel = choose("auto", dtype=q.dtype, head_dim=d, n_heads=h, n_kv_heads=kv, platform=platform, seq_len=t)
         if not _fits(kernel, t, s, platform):
             kernel = "xla"
+    dv = v.shape[-1]
+    if kernel != "xla" and dv != d:
+        if dv > d:
+            raise ValueError(f"values wider than the queries ({dv} > {d}) are not supported")
+        padded = jnp.pad(v, [(0, 0)] * 3 + [(0, d - dv)])
+        return attention(q, k, padded, kernel, q_offset=q_offset, q_pos=q_pos, k_pos=k_pos, scale=_scale(scale, d),
+                         window=window, q_seg=q_seg, k_seg=k_seg)[..., :dv]
     positions = q_pos is not None or k_pos is not None
     windowed = not (window is None or (_static_window(window) and window <= 0))
     segs = dict(q_seg=q_seg, k_seg=k_seg)

@@ -108,7 +108,7 @@ def _set_rows(carry, part, sl):
 
 def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: float | None = None, window=None,
                    q_seg=None, k_seg=None):
-    """Per-device ring attention (call inside shard_map). q [B,T,H,D], k/v [B,T,KV,D], pos [T].
+    """Per-device ring attention (call inside shard_map). q, k [B,T,H|KV,D], v [B,T,KV,Dv], pos [T].
 
     With a sliding ``window`` (> 0; a Python int or a traced scalar) a block whose every key is at
     least ``window`` positions behind every query is skipped (a ``lax.cond``: no work, only its hop),
@@ -127,7 +127,8 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: flo
     i = jax.lax.axis_index(axis)
     scale = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
     qg = q.reshape(b, t, kv, g, d)
-    carry = (jnp.zeros((b, t, kv, g, d), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
+    dv = v.shape[-1]  # the values' width (MLA's differs from the queries')
+    carry = (jnp.zeros((b, t, kv, g, dv), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
              jnp.zeros((b, kv, g, t), jnp.float32))
     half = t // 2
     lo, hi = slice(0, half), slice(half, t)
@@ -180,7 +181,7 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: flo
         carry = block(n - 1, carry, *unpack(last))
     o, _, l = carry
     out = o / jnp.moveaxis(l, -1, 1)[..., None]
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    return out.reshape(b, t, h, dv).astype(q.dtype)
 
 
 def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None,

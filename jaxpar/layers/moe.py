@@ -184,14 +184,16 @@ class MoE(nnx.Module):
     :class:`~jaxpar.layers.MLP` of width ``shared_experts * d_ff`` outside the routing (tensor-parallel
     like the dense MLP). ``score``: ``softmax`` or ``sigmoid`` router scores. ``bias_update_rate`` > 0
     adds ``router_bias [router]`` (zeros; chooses experts, no gradient), which the caller moves after
-    each optimizer step with :func:`balance_bias` and ``stats["expert_load"]`` (the trainer does it).
+    each optimizer step with :func:`balance_bias` and ``stats["expert_load"]`` (the trainer does it);
+    ``routing_bias`` adds it without moving it (DeepSeek-V3's ``e_score_correction_bias``, as imported).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
                  dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
                  dispatch: str = "capacity", bias_update_rate: float = 0.0, groups: int = 1, top_groups: int = 1,
-                 gate_scale: float = 1.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 gate_scale: float = 1.0, routing_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if kind not in KINDS:
             raise ValueError(f"unknown expert kind {kind!r}; choose one of {', '.join(KINDS)}")
         # a library caller's mistake names the argument (and the config key train.py users set)
@@ -225,8 +227,8 @@ class MoE(nnx.Module):
                        if shared_experts else None)
         init, out_init = nnx.initializers.normal(init_std), nnx.initializers.normal(out_init_std or init_std)
         self.router = param(init(rngs.params(), (d_model, n_experts), param_dtype), ("embed", "router"))
-        self.router_bias = (param(jnp.zeros((n_experts,), jnp.float32), ("router",)) if bias_update_rate > 0
-                            else None)
+        self.router_bias = (param(jnp.zeros((n_experts,), jnp.float32), ("router",))
+                            if bias_update_rate > 0 or routing_bias else None)
         self.in_axes: tuple[str, ...]
         if kind in GATED:
             self.in_axes = ("experts", "expert_embed", "fused", "mlp")
