@@ -127,13 +127,17 @@ class ModelConfig:
                                "max_position_embeddings and the export writes it (or model.seq_len if longer). "
                                "0 = model.seq_len.", range=NONNEGATIVE)
     init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama "
-                            "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3; config.json + "
-                            "safetensors), whose config.json sets the architecture keys; a resumed run continues from "
-                            "its checkpoint instead. See the README.")
+                            "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS; "
+                            "config.json + safetensors), whose config.json sets the architecture keys; a resumed run "
+                            "continues from its checkpoint instead. See the README.")
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
     norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
-    mlp: str | None = _f(None, "gelu, swiglu (SiLU-gated) or geglu (tanh-GELU-gated, Gemma) (default from style).",
-                         ("gelu", "swiglu", "geglu"))
+    mlp: str | None = _f(None, "gelu, swiglu (SiLU-gated), geglu (tanh-GELU-gated, Gemma) or clamped_swiglu (GPT-OSS: "
+                               "(clamp(up, +-swiglu_limit) + 1) * g * sigmoid(swiglu_alpha * g), g = min(gate, "
+                               "swiglu_limit)) (default from style).", ("gelu", "swiglu", "geglu", "clamped_swiglu"))
+    swiglu_limit: float = _f(7.0, "model.mlp=clamped_swiglu: the clamp of the gate (above) and the up projection "
+                                  "(both sides).", range=ABOVE_ZERO)
+    swiglu_alpha: float = _f(1.702, "model.mlp=clamped_swiglu: the gate's sigmoid slope.", range=ABOVE_ZERO)
     tie_embeddings: bool | None = _f(None, "Share the input embedding with the output head (default from style).")
     bias: bool | None = _f(None, "Biases in linear layers and norms (default from style).")
     qkv_bias: bool | None = _f(None, "Biases on the Q, K and V projections (Qwen2.5) whatever model.bias says; "
@@ -141,6 +145,9 @@ class ModelConfig:
                                      "QK-norm after it); with learned positions softmax ignores it.")
     qk_norm: bool = _f(False, "RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3), one weight "
                               "of head_dim shared by the heads.")
+    attn_sinks: bool = _f(False, "A learned logit per head beside the scores in the softmax (GPT-OSS's sinks: the "
+                                 "attention can go to nothing); the xla kernel and every parallel.seq_attention "
+                                 "strategy take it, the fused kernels refuse it.")
     kv_lora_rank: int = _f(0, "Multi-head Latent Attention (DeepSeek-V2/V3) when > 0: each head's key and value "
                               "come up from one shared, RMS-normed latent of this width, beside one RoPE key of "
                               "model.rope_head_dim shared by the heads; generation caches only the latent and the "
@@ -174,6 +181,8 @@ class ModelConfig:
                                      "rope_original_context are kept.", range=ABOVE_ZERO)
     rope_beta_slow: float = _f(1.0, "yarn RoPE scaling: frequencies of fewer rotations than this are divided by "
                                     "rope_factor.", range=ABOVE_ZERO)
+    rope_truncate: bool = _f(True, "yarn RoPE scaling: round the band between rope_beta_fast and rope_beta_slow "
+                                   "outwards to whole frequencies (transformers' truncate; GPT-OSS: false).")
     rope_attention_factor: float = _f(0.0, "yarn RoPE scaling: RoPE's cos and sin times this (so the scores times "
                                            "its square); 0 = 0.1 ln(rope_factor) + 1.", range=NONNEGATIVE)
     rope_low_freq_factor: float = _f(1.0, "llama3 RoPE scaling: wavelengths above rope_original_context / this are "
@@ -249,8 +258,9 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        """A gated MLP (two up projections, fused: SwiGLU or GeGLU)."""
-        return self.mlp in ("swiglu", "geglu")
+        """A gated MLP (two up projections, fused: SwiGLU, GeGLU or the clamped SwiGLU)."""
+        return self.mlp in ("swiglu", "geglu", "clamped_swiglu")
+
 
     def layer_windows(self) -> list[int]:
         """Each layer's attention window (0: global), from ``sliding_window`` and ``global_every``."""
@@ -371,6 +381,10 @@ class MoEConfig:
                                       "after every step, down for experts above the mean load, up for those "
                                       "below; 0 = off. DeepSeek-V3 used 0.001 (with moe.aux_loss_weight ~ 0).",
                                  range=NONNEGATIVE)
+    router_logit_bias: bool = _f(False, "A trained bias on the router's logits (GPT-OSS), unlike moe.router_bias "
+                                        "part of the scores and the gates.")
+    expert_bias: bool = _f(False, "Biases in the experts' up (gate and up) and down projections (GPT-OSS); the "
+                                  "down bias is weighted by the gate like the rest of the expert's output.")
     router_bias: bool = _f(False, "A per-expert routing bias added to the scores to choose the experts but not "
                                   "in the gates, without gradient (DeepSeek-V3's e_score_correction_bias, kept as "
                                   "imported); moe.bias_update_rate > 0 has one and moves it.")
@@ -716,7 +730,7 @@ def validate(cfg: Config) -> None:
         if r.n_kv_heads != r.n_heads:
             raise ConfigError(f"model.n_kv_heads={r.n_kv_heads}: MLA (model.kv_lora_rank > 0) gives every head its "
                               f"own key and value from the latent; set n_kv_heads=0 (= n_heads={r.n_heads})")
-        for key in ("qkv_bias", "qk_norm", "rope_local_theta"):
+        for key in ("qkv_bias", "qk_norm", "rope_local_theta", "attn_sinks"):
             if getattr(r, key):
                 raise ConfigError(f"model.{key}={getattr(r, key)} is not supported with MLA (model.kv_lora_rank > 0); "
                                   "leave it unset")
@@ -725,9 +739,11 @@ def validate(cfg: Config) -> None:
             if getattr(m, key):
                 raise ConfigError(f"model.{key}={getattr(m, key)} configures Multi-head Latent Attention: it needs "
                                   "model.kv_lora_rank > 0")
-    if r.arch == "moe" and r.global_every:
-        raise ConfigError(f"model.global_every={r.global_every} (layers that differ) is not supported with "
-                          "model.arch=moe yet; use one window for every layer (model.global_every=0)")
+    if r.arch == "moe" and r.global_every and (cfg.moe.every > 1 or cfg.moe.first_dense):
+        key = "moe.every" if cfg.moe.every > 1 else "moe.first_dense"
+        raise ConfigError(f"model.global_every={r.global_every} (windows that differ by layer) with model.arch=moe "
+                          f"needs every layer MoE (moe.every=1, moe.first_dense=0); got {key}="
+                          f"{getattr(cfg.moe, key.split('.')[1])}")
     t = cfg.train
     if not t.out_dir.strip():
         raise ConfigError("train.out_dir is empty: name the run directory (e.g. runs/my_run)")

@@ -19,6 +19,11 @@ MLPs instead of the MLP (the active experts only); and the head ``d V`` (V the r
 tied or not, the head is one matmul). The embedding lookup, positions, norms and biases are not
 matmuls. The second term is causal attention: ``QK^T`` and ``PV`` each cost ``2 T H D_head`` flops per
 token and layer over the full ``T x T`` square, halved by the causal mask, times 3.
+
+Multi-head Latent Attention (``model.kv_lora_rank``) multiplies ``d r_q + r_q H D_head`` (or ``d H D_head``)
+for the queries, ``d (r + p)`` and ``r H (D_head - p + D_v)`` for the keys and values and ``H D_v d`` out, and
+its ``PV`` runs at the value width: the attention term is ``3 L T H (D_head + D_v)``. Shared experts count
+``shared_experts`` MLPs of ``moe.d_ff`` in every MoE layer; ``moe.first_dense`` layers are dense.
 """
 
 from __future__ import annotations
@@ -45,26 +50,32 @@ def layer_matmul_params(cfg: Config, moe: bool) -> int:
     """The weights one token multiplies in one layer: attention and the MLP, or (``moe``) attention, the
     router and the ``top_k`` active experts."""
     m = cfg.model.resolved()
-    d, hd = m.d_model, m.head_dim
-    attn = d * (m.n_heads + 2 * m.n_kv_heads) * hd + m.n_heads * hd * d
+    d, hd, h = m.d_model, m.head_dim, m.n_heads
+    if m.latent:
+        q = d * m.q_lora_rank + m.q_lora_rank * h * hd if m.q_lora_rank else d * h * hd
+        attn = (q + d * (m.kv_lora_rank + m.rope_head_dim) + m.kv_lora_rank * h * (hd - m.rope_head_dim + m.v_head_dim)
+                + h * m.v_head_dim * d)
+    else:
+        attn = d * (h + 2 * m.n_kv_heads) * hd + h * hd * d
     per_mlp = 3 if m.gated else 2
     if not moe:
         return attn + per_mlp * d * m.d_ff
-    return attn + d * cfg.moe.n_experts + cfg.moe.top_k * per_mlp * d * (cfg.moe.d_ff or m.d_ff)
+    experts = cfg.moe.top_k + cfg.moe.shared_experts
+    return attn + d * cfg.moe.n_experts + experts * per_mlp * d * (cfg.moe.d_ff or m.d_ff)
 
 
 def matmul_params(cfg: Config) -> int:
     """``N_matmul``: the weights one token multiplies (active experts only), the head included."""
     m = cfg.model.resolved()
-    n_moe = m.n_layers // cfg.moe.every if m.arch == "moe" else 0
+    n_moe = cfg.moe.groups(m.n_layers) if m.arch == "moe" else 0
     return ((m.n_layers - n_moe) * layer_matmul_params(cfg, False) + n_moe * layer_matmul_params(cfg, True)
             + m.d_model * m.vocab_size)
 
 
 def model_flops_per_token(cfg: Config) -> float:
-    """Training flops per token: ``6 N_matmul + 6 L T H D_head`` (see the module docstring)."""
+    """Training flops per token: ``6 N_matmul + 3 L T H (D_head + D_v)`` (see the module docstring)."""
     m = cfg.model.resolved()
-    return 6.0 * matmul_params(cfg) + 6.0 * m.n_layers * m.seq_len * m.n_heads * m.head_dim
+    return 6.0 * matmul_params(cfg) + 3.0 * m.n_layers * m.seq_len * m.n_heads * (m.head_dim + m.v_head_dim)
 
 
 def model_flops_per_step(cfg: Config) -> float:

@@ -166,17 +166,18 @@ def forward(model, tokens: jax.Array, positions: jax.Array, cache: dict) -> tupl
         x, c = _scan(model.blocks, x, positions, cache["blocks"], _block, model.per_layer())
         cache = {"blocks": c}
     else:  # the MoE decoder: its dense first layers, then groups of [dense..., MoE] blocks
-        def group(g, h, pos, c):
+        def group(g, h, pos, c, window=None):
             new = {}
             if g.dense is not None:
                 h, new["dense"] = _scan(g.dense, h, pos, c["dense"], _block)
-            h, new["moe"] = _block(g.moe, h, pos, c["moe"])
+            h, new["moe"] = _block(g.moe, h, pos, c["moe"], window)
             return h, new
 
         first = {}
         if "first" in cache:
             x, first["first"] = _scan(model.first, x, positions, cache["first"], _block)
-        x, groups = _scan(model.blocks, x, positions, {k: v for k, v in cache.items() if k != "first"}, group)
+        x, groups = _scan(model.blocks, x, positions, {k: v for k, v in cache.items() if k != "first"}, group,
+                          model.per_layer())
         cache = {**first, **groups}
     x = model.norm_f(x)
     w, layout = model.output_weight()

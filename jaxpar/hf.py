@@ -1,5 +1,5 @@
 """Hugging Face checkpoints in and out: the families of :mod:`jaxpar.families` (GPT-2, Llama 1-3.x, Mistral,
-Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3).
+Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS).
 
 **Import.** ``python train.py model.init_from=hf:/path/to/dir ...`` starts a run from a local Hugging
 Face model directory (``config.json`` and ``model.safetensors`` or a sharded
@@ -131,6 +131,10 @@ def _decoder_extras(m: ModelConfig) -> dict[tuple, str]:
     if m.qk_norm:
         out.update({("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
                     ("attn", "k_norm", "scale"): "self_attn.k_norm.weight"})
+    if m.attn_sinks:
+        out[("attn", "sinks")] = "self_attn.sinks"
+    if m.bias and not m.latent:  # the out-projection's bias (GPT-OSS)
+        out[("attn", "o", "bias")] = "self_attn.o_proj.bias"
     return out
 
 
@@ -251,9 +255,13 @@ def _to_jaxpar(arch: str, m: ModelConfig, mc, moe: bool = False, interleaved: bo
                                                             axis=1)
         layer[("mlp", "down", "kernel")] = lambda t: t("mlp.down_proj.weight").T
         return layer
+    family = FAMILIES[arch]
+    if getattr(family, "EXPERTS", None) == "interleaved":  # GPT-OSS: fused, gate and up columns interleaved
+        layer.update(_interleaved_to_jaxpar(mc))
+        return layer
     # the experts: per expert gate, up, down as published (the family's MOE_NAMES), or transformers 5's fused
     # layout (the same names in every family)
-    block, gate, up, down = FAMILIES[arch].MOE_NAMES
+    block, gate, up, down = family.MOE_NAMES
 
     def expert(t, i: int, w: str):
         return t(f"{block}.experts.{i}.{w}.weight").T
@@ -273,7 +281,6 @@ def _to_jaxpar(arch: str, m: ModelConfig, mc, moe: bool = False, interleaved: bo
         return (t("mlp.gate.weight") if t.has("mlp.gate.weight") else t(f"{block}.gate.weight")).T
 
     layer.update({("mlp", "router"): router, ("mlp", "w_in"): w_in, ("mlp", "w_out"): w_out})
-    family = FAMILIES[arch]
     if mc.shared_experts:
         sh = family.SHARED
         layer[("mlp", "shared", "up", "kernel")] = lambda t: np.stack([t(f"{sh}.gate_proj.weight").T,
@@ -320,19 +327,57 @@ def _to_hf(arch: str, m: ModelConfig, mc, moe: bool = False) -> dict[str, Callab
                     "mlp.up_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 1].T,
                     "mlp.down_proj.weight": lambda p: p(("mlp", "down", "kernel")).T})
         return out
-    block, gate, up, down = FAMILIES[arch].MOE_NAMES
+    family = FAMILIES[arch]
+    if getattr(family, "EXPERTS", None) == "interleaved":
+        out.update(_interleaved_to_hf(mc))
+        return out
+    block, gate, up, down = family.MOE_NAMES
     out[f"{block}.gate.weight"] = lambda p: p(("mlp", "router")).T
     for i in range(n_experts):
         out[f"{block}.experts.{i}.{gate}.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 0].T
         out[f"{block}.experts.{i}.{up}.weight"] = lambda p, i=i: p(("mlp", "w_in"))[i, :, 1].T
         out[f"{block}.experts.{i}.{down}.weight"] = lambda p, i=i: p(("mlp", "w_out"))[i].T
-    family = FAMILIES[arch]
     if mc.shared_experts:
         out.update({f"{family.SHARED}.gate_proj.weight": lambda p: p(("mlp", "shared", "up", "kernel"))[:, 0].T,
                     f"{family.SHARED}.up_proj.weight": lambda p: p(("mlp", "shared", "up", "kernel"))[:, 1].T,
                     f"{family.SHARED}.down_proj.weight": lambda p: p(("mlp", "shared", "down", "kernel")).T})
     if mc.router_bias or mc.bias_update_rate > 0:
         out[family.ROUTER_BIAS] = lambda p: p(("mlp", "router_bias"))
+    return out
+
+
+def _interleaved_to_jaxpar(mc) -> dict[tuple, Callable]:
+    """GPT-OSS's MoE layer: ``mlp.router`` (weight and logit bias) and fused experts whose ``gate_up_proj [E, d,
+    2F]`` (and its bias) interleave the gate (even columns) and up (odd) projections."""
+    def split(a: np.ndarray) -> np.ndarray:  # [..., 2F] -> [..., 2, F]
+        return np.stack([a[..., 0::2], a[..., 1::2]], axis=-2)
+
+    out: dict[tuple, Callable] = {
+        ("mlp", "router"): lambda t: t("mlp.router.weight").T,
+        ("mlp", "w_in"): lambda t: split(t("mlp.experts.gate_up_proj")),
+        ("mlp", "w_out"): lambda t: t("mlp.experts.down_proj")}
+    if mc.router_logit_bias:
+        out[("mlp", "router_logit_bias")] = lambda t: t("mlp.router.bias")
+    if mc.expert_bias:
+        out.update({("mlp", "b_in"): lambda t: split(t("mlp.experts.gate_up_proj_bias")),
+                    ("mlp", "b_out"): lambda t: t("mlp.experts.down_proj_bias")})
+    return out
+
+
+def _interleaved_to_hf(mc) -> dict[str, Callable]:
+    """:func:`_interleaved_to_jaxpar`'s tensors back, gate and up interleaved again."""
+    def join(a: np.ndarray) -> np.ndarray:  # [..., 2, F] -> [..., 2F], gate at even columns
+        return np.stack([a[..., 0, :], a[..., 1, :]], axis=-1).reshape(*a.shape[:-2], -1)
+
+    out: dict[str, Callable] = {
+        "mlp.router.weight": lambda p: p(("mlp", "router")).T,
+        "mlp.experts.gate_up_proj": lambda p: join(p(("mlp", "w_in"))),
+        "mlp.experts.down_proj": lambda p: p(("mlp", "w_out"))}
+    if mc.router_logit_bias:
+        out["mlp.router.bias"] = lambda p: p(("mlp", "router_logit_bias"))
+    if mc.expert_bias:
+        out.update({"mlp.experts.gate_up_proj_bias": lambda p: join(p(("mlp", "b_in"))),
+                    "mlp.experts.down_proj_bias": lambda p: p(("mlp", "b_out"))})
     return out
 
 
@@ -441,7 +486,8 @@ def _check_names(files: _Files, arch: str, m: ModelConfig, mc, skipped: list[str
     for i, moe in enumerate(kinds):
         view = _Layer(files, _layer_prefix(arch, i))
         need = names[moe]
-        if moe and view.has("mlp.experts.gate_up_proj"):  # transformers 5's fused experts
+        if moe and view.has("mlp.experts.gate_up_proj") and not hasattr(FAMILIES[arch], "EXPERTS"):  # transformers
+            # 5's fused experts
             block = FAMILIES[arch].MOE_NAMES[0]
             need = {n for n in need if n != f"{block}.gate.weight" and not n.startswith(f"{block}.experts.")}
             need |= set(_FUSED)

@@ -2,7 +2,7 @@
 :func:`jaxpar.config.load_config`; the weights are :mod:`jaxpar.hf`'s).
 
 :func:`config_keys` turns a ``config.json`` of a supported family (:mod:`jaxpar.families`: GPT-2,
-Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3) into the ``model.*`` (and
+Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS) into the ``model.*`` (and
 ``moe.*``) keys of the same model: ``hard`` ones define the architecture, ``soft`` ones are defaults the
 user may change. An option jaxpar does not implement is a :class:`ConfigError` naming the field.
 """

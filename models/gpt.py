@@ -37,10 +37,19 @@ from jaxpar.layers.attention_ops import rope_frequencies
 from jaxpar.layers.context_parallel import zigzag_order
 from jaxpar.layers.embedding import vocab_logits
 from jaxpar.layers.loss import DOC_KEYS, head_cross_entropy
+from jaxpar.layers.mlp import ClampedSwiGLU
 from jaxpar.layers.stack import Stack, loss_in_pipeline
 from jaxpar.layers.precision import DTYPES, compute_dtype
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
+
+
+def activation(cfg: ModelConfig):
+    """The MLP's and experts' nonlinearity as :func:`jaxpar.layers.mlp.activate` takes it: the ``model.mlp``
+    name, or for the clamped SwiGLU its limit and slope (:class:`jaxpar.layers.mlp.ClampedSwiGLU`)."""
+    if cfg.mlp == "clamped_swiglu":
+        return ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
+    return cfg.mlp
 
 
 def rope_freqs(cfg: ModelConfig) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
@@ -50,7 +59,7 @@ def rope_freqs(cfg: ModelConfig) -> tuple[tuple[float, ...] | None, tuple[float,
         return None, None
     glob = rope_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq_factor,
                             cfg.rope_high_freq_factor, cfg.rope_original_context, cfg.rope_beta_fast,
-                            cfg.rope_beta_slow)
+                            cfg.rope_beta_slow, cfg.rope_truncate)
     return glob, rope_frequencies(cfg.rope_dim, cfg.rope_local_theta) if cfg.rope_local_theta else None
 
 
@@ -86,11 +95,11 @@ class Block(nnx.Module):
                                   norm_eps=cfg.norm_eps, norm_plus_one=cfg.norm_plus_one,
                                   scale=cfg.attn_scale or None, window=window, rope_scale=rope_scale,
                                   init_std=cfg.init_std, out_init_std=out_std, kernel=cfg.attention, tensor=tensor,
-                                  dtype=dtype, param_dtype=pd, rngs=rngs)
+                                  sinks=cfg.attn_sinks, dtype=dtype, param_dtype=pd, rngs=rngs)
         self.post_norm1 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None
         self.norm2 = make_norm(cfg.norm, cfg.d_model, **norm)
         self.mlp = (ffn(rngs) if ffn is not None else
-                    MLP(cfg.d_model, cfg.d_ff, kind=cfg.mlp, use_bias=cfg.bias, init_std=cfg.init_std,
+                    MLP(cfg.d_model, cfg.d_ff, kind=activation(cfg), use_bias=cfg.bias, init_std=cfg.init_std,
                         out_init_std=out_std, dtype=dtype, param_dtype=pd, rngs=rngs))
         self.post_norm2 = make_norm(cfg.norm, cfg.d_model, **norm) if sandwich else None
 

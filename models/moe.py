@@ -42,7 +42,7 @@ from jaxpar.config import MoEConfig, ModelConfig
 from jaxpar.layers import MoE, balance_bias
 from jaxpar.partitioning import constrain
 from jaxpar.layers.stack import Stack, loss_in_pipeline
-from jaxpar.models.gpt import DTYPES, GPT, Block, ordered
+from jaxpar.models.gpt import DTYPES, GPT, Block, activation, ordered
 
 
 class MoEBlock(Block):
@@ -55,16 +55,17 @@ class MoEBlock(Block):
         def experts(r):
             return MoE(cfg.d_model, moe.d_ff or cfg.d_ff, moe.n_experts, moe.top_k,
                        capacity_factor=moe.capacity_factor, dropless=moe.dropless, renormalize=moe.renormalize,
-                       kind=cfg.mlp, init_std=cfg.init_std, out_init_std=out_std, shared_experts=moe.shared_experts,
+                       kind=activation(cfg), init_std=cfg.init_std, out_init_std=out_std,
+                       shared_experts=moe.shared_experts,
                        score=moe.score, dispatch=moe.dispatch_path(), bias_update_rate=moe.bias_update_rate,
                        groups=moe.n_group, top_groups=moe.topk_group, gate_scale=moe.routed_scaling_factor,
-                       routing_bias=moe.router_bias,
+                       routing_bias=moe.router_bias, logit_bias=moe.router_logit_bias, expert_bias=moe.expert_bias,
                        dtype=dtype, param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts, tensor=tensor)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None, **docs) -> tuple[jax.Array, dict]:
-        x = self.attn_residual(x, lambda h: self.attn(h, positions, **docs))
+    def __call__(self, x: jax.Array, positions: jax.Array | None, window=None, **docs) -> tuple[jax.Array, dict]:
+        x = self.attn_residual(x, lambda h: self.attn(h, positions, window, **docs))
         x, stats = self.mlp_residual(x)
         return constrain(x, ("batch", "res_length", "act_embed")), stats
 
@@ -78,10 +79,11 @@ class MoEGroup(nnx.Module):
                       if moe.every > 1 else None)
         self.moe = MoEBlock(cfg, moe, dtype=dtype, rngs=rngs, tensor=tensor)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None, **docs) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, positions: jax.Array | None, window=None, **docs) -> tuple[jax.Array, dict]:
+        """``window``: the MoE layer's sliding window when the layers differ (every layer MoE, validated)."""
         if self.dense is not None:
             x = Stack(self.dense, pipelined=False, rows=docs)(x, positions)
-        return self.moe(x, positions, **docs)
+        return self.moe(x, positions, window, **docs)
 
 
 class MoETransformer(GPT):
@@ -114,7 +116,8 @@ class MoETransformer(GPT):
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
         x = self.lead_in(self.outer(), x, positions, **docs)
-        x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True, rows=docs)(x, positions)
+        x, stats = Stack(self.blocks, remat=self.cfg.remat, outputs=True, per_layer=self.per_layer(),
+                         rows=docs)(x, positions)
         # GPT's hidden() returns only the residual stream: the router statistics ([groups] / [groups, E]) leave
         # through Flax's intermediates, collected by nnx.capture in loss / __call__.
         self.sow(nnx.Intermediate, "moe_stats", stats)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # (the order inside each module is kept: some modules reuse references computed by their earlier tests).
 FIRST = ("test_five_axes.py", "test_faults.py", "test_pipeline.py")
 # ... and the tests that import torch last (XLA runs a few per cent slower in a process that imported it)
-LAST = ("test_hf.py", "test_moe_families.py", "test_finetune.py")
+LAST = ("test_hf.py", "test_moe_families.py", "test_deepseek.py", "test_gpt_oss.py", "test_finetune.py")
 
 
 # The quick tier (-m "not slow", DEVELOPERS.md): a test is slow when it took more than SLOW_SECONDS in the last

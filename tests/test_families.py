@@ -215,9 +215,9 @@ def _with(tmp_path, d, name: str, change: dict) -> str:
 @pytest.mark.parametrize("family,change,field", [
     ("llama3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 4.0}},
      "rope_parameters.rope_type='dynamic'"),
-    ("llama3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": False,
+    ("llama3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": "yes",
                                     "original_max_position_embeddings": 16}},
-     "rope_parameters.truncate=False"),
+     "rope_parameters.truncate='yes'"),
     ("llama3", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor=0.5"),
     ("llama3", {"attention_bias": True}, "attention_bias=True"),
@@ -291,8 +291,8 @@ def test_generate_cli_and_documents_frame_text_as_the_tokenizer_does(tmp_path_fa
 
 @pytest.mark.parametrize("rope", [dict(factor=4.0), dict(factor=8.0, beta_fast=16, beta_slow=2),
                                   dict(factor=40.0, mscale=1.0, mscale_all_dim=0.707),
-                                  dict(factor=4.0, attention_factor=1.3)],
-                         ids=["default", "betas", "deepseek-mscale", "attention-factor"])
+                                  dict(factor=4.0, attention_factor=1.3), dict(factor=32.0, truncate=False)],
+                         ids=["default", "betas", "deepseek-mscale", "attention-factor", "gpt-oss-untruncated"])
 def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
     """YaRN's inverse frequencies and its cos/sin factor (from attention_factor, mscale / mscale_all_dim, or the
     factor) as jaxpar imports them equal transformers' ``rope_type=yarn`` initialisation."""
@@ -309,6 +309,9 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
     keys = rope_keys(params, "config.json", "rope_parameters", max_positions=BASE["max_position_embeddings"])
     m = ModelConfig(head_dim=32, **{k.split(".")[1]: v for k, v in keys.items()})
     inv = rope_frequencies(32, m.rope_theta, m.rope_scaling, m.rope_factor, original_context=m.rope_original_context,
-                           beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow)
+                           beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow, truncate=m.rope_truncate)
     np.testing.assert_allclose(inv, inv_hf.numpy(), rtol=1e-6)
+    if rope.get("truncate") is False:  # (the rounded range gives other frequencies: the case tests something)
+        assert not np.allclose(rope_frequencies(32, m.rope_theta, "yarn", m.rope_factor, original_context=64), inv,
+                               rtol=1e-3)
     assert abs(m.yarn_attention_factor() - factor_hf) <= 1e-6 * factor_hf

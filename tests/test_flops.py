@@ -136,3 +136,20 @@ def test_mfu_in_metrics_is_model_flops_over_time_and_peak(tmp_path):
     rep = json.loads((out / "compile_report.json").read_text())
     assert rep["model_flops"]["per_step_per_device"] == per_step_device
     assert "MFU" in p.stdout and "attention kernel: xla (auto on cpu)" in p.stdout
+
+
+def test_deepseek_v3_hand_count_is_its_published_37b_active():
+    """DeepSeek-V3's shapes (MLA: q_lora_rank 1536, kv_lora_rank 512, RoPE 64 of a 192-wide query/key head, values
+    of 128; 3 dense layers of 18432, then 58 MoE layers of 256 experts of 2048, top-8 and one shared expert):
+    the hand count, and with the embedding the published 37B activated parameters (within 2%)."""
+    cfg = load_config(None, [
+        "model.arch=moe", "model.style=llama", "model.n_layers=61", "model.d_model=7168", "model.n_heads=128",
+        "model.head_dim=192", "model.kv_lora_rank=512", "model.q_lora_rank=1536", "model.rope_head_dim=64",
+        "model.v_head_dim=128", "model.d_ff=18432", "model.vocab_size=129280", "model.seq_len=4096",
+        "moe.n_experts=256", "moe.top_k=8", "moe.d_ff=2048", "moe.shared_experts=1", "moe.first_dense=3"])
+    d, h, V = 7168, 128, 129280
+    attn = (d * 1536 + 1536 * h * 192) + d * (512 + 64) + 512 * h * (128 + 128) + h * 128 * d
+    want = 3 * (attn + 3 * d * 18432) + 58 * (attn + d * 256 + 9 * 3 * d * 2048) + d * V
+    assert matmul_params(cfg) == want
+    assert abs((want + d * V) / 37e9 - 1) < 0.02
+    assert model_flops_per_token(cfg) == 6 * want + 3 * 61 * 4096 * h * (192 + 128)

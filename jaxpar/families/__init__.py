@@ -22,9 +22,10 @@ multi-token-prediction layers), which the import leaves out with a note.
 from __future__ import annotations
 
 from jaxpar.errors import ConfigError
-from jaxpar.families import deepseek_v3, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from jaxpar.families import deepseek_v3, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe, deepseek_v3)}
+FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, llama, mistral, qwen2, qwen3, gemma3, mixtral, qwen3_moe, deepseek_v3,
+                                        gpt_oss)}
 CLASSES = {k: f.CLASS for k, f in FAMILIES.items()}
 
 
@@ -43,6 +44,8 @@ def for_model(m, arch: str):
         return gpt2
     if m.latent:
         return deepseek_v3
+    if m.attn_sinks:
+        return gpt_oss
     if arch == "moe":
         return qwen3_moe if m.qk_norm else mixtral
     if m.norm_placement == "sandwich" or m.norm_plus_one or m.embed_scale or m.mlp == "geglu" or m.global_every:

@@ -12,11 +12,12 @@ from jaxpar.errors import ConfigError
 PLAIN = {"model.qkv_bias": False, "model.qk_norm": False, "model.norm_placement": "pre", "model.norm_plus_one": False,
          "model.embed_scale": False, "model.attn_scale": 0.0, "model.sliding_window": 0, "model.global_every": 0,
          "model.rope_local_theta": 0.0, "model.rope_scaling": "none", "model.kv_lora_rank": 0, "model.q_lora_rank": 0,
-         "model.rope_head_dim": 0, "model.v_head_dim": 0}
+         "model.rope_head_dim": 0, "model.v_head_dim": 0, "model.attn_sinks": False, "model.rope_truncate": True}
 
 # every MoE switch at its plain value (a MoE family sets what it uses)
 MOE_PLAIN = {"moe.every": 1, "moe.first_dense": 0, "moe.score": "softmax", "moe.shared_experts": 0,
-             "moe.router_bias": False, "moe.n_group": 1, "moe.topk_group": 1, "moe.routed_scaling_factor": 1.0}
+             "moe.router_bias": False, "moe.router_logit_bias": False, "moe.expert_bias": False, "moe.n_group": 1,
+             "moe.topk_group": 1, "moe.routed_scaling_factor": 1.0}
 
 ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
@@ -55,9 +56,9 @@ def rope_keys(rope: dict, where: str, field: str, theta_default: float = 10000.0
 
 def _yarn_keys(rope: dict, where: str, field: str, max_positions: int | None) -> dict[str, Any]:
     """YaRN's keys, resolved as transformers' ``_compute_yarn_parameters`` does."""
-    if rope.get("truncate", True) is not True:
-        raise ConfigError(f"{where}: {field}.truncate={rope.get('truncate')!r} is not supported by jaxpar (YaRN's "
-                          "correction range rounded outwards: true)")
+    if rope.get("truncate", True) not in (True, False):
+        raise ConfigError(f"{where}: {field}.truncate={rope.get('truncate')!r} is not supported by jaxpar (true or "
+                          "false)")
     original = rope.get("original_max_position_embeddings") or max_positions
     if not original:
         raise ConfigError(f"{where}: {field} of rope_type yarn names no original_max_position_embeddings")
@@ -70,6 +71,7 @@ def _yarn_keys(rope: dict, where: str, field: str, max_positions: int | None) ->
         ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
         attention = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
     return {"model.rope_factor": float(factor), "model.rope_original_context": int(original),
+            "model.rope_truncate": bool(rope.get("truncate", True)),
             "model.rope_beta_fast": float(rope.get("beta_fast") or 32), "model.rope_beta_slow":
             float(rope.get("beta_slow") or 1), "model.rope_attention_factor": float(attention)}
 
@@ -101,6 +103,8 @@ def rope_parameters(m) -> dict:
         out.update({"factor": m.rope_factor, "original_max_position_embeddings": m.rope_original_context,
                     "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow,
                     "attention_factor": m.yarn_attention_factor()})
+        if not m.rope_truncate:
+            out["truncate"] = False
     return out
 
 

@@ -62,8 +62,8 @@ class Attention(nnx.Module):
     out-projection's), ``qk_norm`` (an RMSNorm over each head's Q and K before RoPE), ``rope_freqs``
     (RoPE's inverse frequencies, scaled as the model says; ``rope_local_freqs`` those of the layers
     with a sliding window when they differ; ``rope_scale``: YaRN's factor on the global layers' cos and
-    sin), ``scale`` (the scores' multiplier) and ``window`` (the sliding window; a call may pass its
-    layer's own, traced).
+    sin), ``scale`` (the scores' multiplier), ``window`` (the sliding window; a call may pass its
+    layer's own, traced) and ``sinks`` (a learned logit per head beside the scores in the softmax: GPT-OSS).
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, use_bias: bool = True,
@@ -71,8 +71,8 @@ class Attention(nnx.Module):
                  rope_freqs: tuple[float, ...] | None = None, rope_local_freqs: tuple[float, ...] | None = None,
                  qk_norm: bool = False, norm_eps: float = 1e-6, norm_plus_one: bool = False,
                  scale: float | None = None, window: int = 0, rope_scale: float = 1.0, init_std: float = 0.02,
-                 out_init_std: float | None = None, kernel: str = "auto", tensor: int = 1, dtype=jnp.float32,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 out_init_std: float | None = None, kernel: str = "auto", tensor: int = 1, sinks: bool = False,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
         # KV heads copied over the tensor devices that share them (class docstring)
@@ -103,6 +103,7 @@ class Attention(nnx.Module):
         norm = dict(eps=norm_eps, plus_one=norm_plus_one, param_dtype=param_dtype)
         self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+        self.sinks = param(jnp.zeros((n_heads,), param_dtype), ("heads",)) if sinks else None
         self.o = RowParallelLinear((n_heads, head_dim), d_model, in_axes=("heads", "head_dim"), use_bias=use_bias,
                                    name="out_proj",
                                    kernel_init=nnx.initializers.normal(out_init_std or init_std), **kw)
@@ -178,7 +179,7 @@ class Attention(nnx.Module):
         window = self._window(window)
         q, k, v = self._qkv(x, positions if doc_positions is None else doc_positions, window)
         out = sharded_attention(q, k, v, positions, self.kernel, scale=self.scale, window=window,
-                                segment_ids=segment_ids)
+                                segment_ids=segment_ids, sinks=None if self.sinks is None else self.sinks[...])
         out = checkpoint_name(constrain(out, ("batch", "length", "act_heads", "act_head_dim")), "attention")
         return self.o(out)
 
@@ -200,6 +201,12 @@ class Attention(nnx.Module):
         scores = f32_einsum("btkgd,bskd->bkgts", qg, cache["k"].astype(q.dtype)) * scale
         visible = attention_ops.in_window(positions[:, None, None, :, None], jnp.arange(s)[None, None, None, None, :],
                                           window)
-        p = jax.nn.softmax(jnp.where(visible, scores, attention_ops.NEG), axis=-1).astype(q.dtype)
+        scores = jnp.where(visible, scores, attention_ops.NEG)
+        if self.sinks is not None:  # the sink's logit beside the cached keys' (its share goes to no value)
+            sink = self.sinks[...].astype(jnp.float32).reshape(1, kv, h // kv, 1, 1)
+            scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1)
+            p = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(q.dtype)
+        else:
+            p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = f32_einsum("bkgts,bskd->btkgd", p, cache["v"].astype(q.dtype))
         return self.o(out.reshape(b, t, h, d).astype(q.dtype)), cache

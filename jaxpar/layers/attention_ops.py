@@ -42,15 +42,15 @@ NEG = -1e30
 def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,
                      low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
                      original_context: int = 8192, beta_fast: float = 32.0,
-                     beta_slow: float = 1.0) -> tuple[float, ...]:
+                     beta_slow: float = 1.0, truncate: bool = True) -> tuple[float, ...]:
     """RoPE's ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)`` (float32, as Hugging Face
     computes them), scaled: ``linear`` divides them all by ``factor`` (positions / factor); ``llama3``
     (Llama 3.1) divides those of wavelength above ``original_context / low_freq_factor`` by ``factor``,
     keeps those below ``original_context / high_freq_factor`` and blends the band between; ``yarn`` (YaRN)
     divides by ``factor`` the frequencies of fewer than ``beta_slow`` rotations over ``original_context``,
     keeps those of more than ``beta_fast`` and ramps linearly between (the correction range rounded
-    outwards, as Hugging Face does; the cos/sin factor is ``ModelConfig.yarn_attention_factor``). A tuple, so
-    that a module can hold it as static data."""
+    outwards as Hugging Face does, unless ``truncate`` is false: GPT-OSS; the cos/sin factor is
+    ``ModelConfig.yarn_attention_factor``). A tuple, so that a module can hold it as static data."""
     inv = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))))
     inv = inv.astype(np.float32)
     if scaling == "linear":
@@ -67,7 +67,10 @@ def rope_frequencies(head_dim: int, theta: float, scaling: str = "none", factor:
         def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times over the context
             return head_dim * math.log(original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / ((high - low) or 0.001), 0, 1)
         keep = (1 - ramp).astype(np.float32)  # 1: the original frequency (extrapolation), 0: divided by factor
         inv = (inv / np.float32(factor) * (1 - keep) + inv * keep).astype(np.float32)
@@ -130,21 +133,26 @@ def in_window(q_pos, k_pos, window=None):
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array | None = None,
                      k_pos: jax.Array | None = None, q_offset=0, *, scale=None, window=None, q_seg=None,
-                     k_seg=None) -> jax.Array:
+                     k_seg=None, sinks=None) -> jax.Array:
     """The reference (``xla``) kernel: softmax attention with a causal mask, float32 scores and softmax.
 
     ``q [B, T, H, D]``, ``k [B, S, KV, D]``, ``v [B, S, KV, Dv]`` with ``H % KV == 0`` (``Dv``: MLA's
     value width may differ from the queries' and keys'); the mask compares global
     positions (default: query i at ``q_offset + i``, key j at j), within a sliding ``window`` when one
     is given, and segment ids ``q_seg [B, T]``, ``k_seg [B, S]`` when given (a query sees its own
-    document only). Scores are scaled by ``scale`` (default ``1/sqrt(D)``). Returns ``[B, T, H, Dv]``.
+    document only). Scores are scaled by ``scale`` (default ``1/sqrt(D)``). ``sinks [H]``: a logit per head
+    beside the scores in the softmax, whose share goes to no value (GPT-OSS). Returns ``[B, T, H, Dv]``.
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = f32_einsum("btkgd,bskd->bkgts", qg, k) * np.float32(_scale(scale, d))
     scores = jnp.where(_heads(_mask(t, s, q_offset, q_pos, k_pos, window, q_seg, k_seg)), scores, NEG)
-    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1), (*scores.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = f32_einsum("bkgts,bskd->btkgd", p, v)
     return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 
@@ -230,7 +238,8 @@ def _fits(kernel: str, t: int | None, s: int | None, platform: str) -> bool:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, q_offset=0,
               q_pos: jax.Array | None = None, k_pos: jax.Array | None = None, scale: float | None = None,
-              window=None, q_seg: jax.Array | None = None, k_seg: jax.Array | None = None) -> jax.Array:
+              window=None, q_seg: jax.Array | None = None, k_seg: jax.Array | None = None,
+              sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of ``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with ``kernel``
     (a choice of :data:`CHOICES`; ``auto`` is resolved here from the shapes).
 
@@ -241,27 +250,31 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, kernel: str = "xla", *, 
     ``scale`` (default ``1/sqrt(D)``). Packed documents: segment ids ``q_seg [B, T]``, ``k_seg [B, S]``
     keep each query inside its document (xla and cudnn: in the mask; pallas: the splash kernel's own
     segment ids). Values narrower than the queries (``v [B, S, KV, Dv]``, MLA) are zero-padded to ``D``
-    for the fused kernels, which take one head width, and the output cut back to ``Dv``.
+    for the fused kernels, which take one head width, and the output cut back to ``Dv``. Attention sinks
+    (``sinks [H]``, GPT-OSS): the ``xla`` kernel (``auto`` chooses it); cudnn and pallas refuse them.
     """
     b, t, h, d = q.shape
     s, kv = k.shape[1], k.shape[2]
     platform = _platform()
     if kernel == "auto":
         kernel = choose("auto", dtype=q.dtype, head_dim=d, n_heads=h, n_kv_heads=kv, platform=platform, seq_len=t)
-        if not _fits(kernel, t, s, platform):
+        if not _fits(kernel, t, s, platform) or sinks is not None:
             kernel = "xla"
+    if sinks is not None and kernel != "xla":
+        raise ConfigError(f"model.attention={kernel}: the {kernel} kernels have no attention sinks (model.attn_sinks, "
+                          "GPT-OSS); choose model.attention=auto or xla")
     dv = v.shape[-1]
     if kernel != "xla" and dv != d:
         if dv > d:
             raise ValueError(f"values wider than the queries ({dv} > {d}) are not supported")
         padded = jnp.pad(v, [(0, 0)] * 3 + [(0, d - dv)])
         return attention(q, k, padded, kernel, q_offset=q_offset, q_pos=q_pos, k_pos=k_pos, scale=_scale(scale, d),
-                         window=window, q_seg=q_seg, k_seg=k_seg)[..., :dv]
+                         window=window, q_seg=q_seg, k_seg=k_seg, sinks=sinks)[..., :dv]
     positions = q_pos is not None or k_pos is not None
     windowed = not (window is None or (_static_window(window) and window <= 0))
     segs = dict(q_seg=q_seg, k_seg=k_seg)
     if kernel == "xla":
-        return causal_attention(q, k, v, q_pos, k_pos, q_offset, scale=scale, window=window, **segs)
+        return causal_attention(q, k, v, q_pos, k_pos, q_offset, scale=scale, window=window, sinks=sinks, **segs)
     if kernel == "cudnn":
         plain = not positions and isinstance(q_offset, int) and q_offset == 0 and t == s and q_seg is None
         if plain and windowed and _static_window(window):

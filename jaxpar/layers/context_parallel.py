@@ -107,14 +107,15 @@ def _set_rows(carry, part, sl):
 
 
 def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: float | None = None, window=None,
-                   q_seg=None, k_seg=None):
+                   q_seg=None, k_seg=None, sinks=None):
     """Per-device ring attention (call inside shard_map). q, k [B,T,H|KV,D], v [B,T,KV,Dv], pos [T].
 
     With a sliding ``window`` (> 0; a Python int or a traced scalar) a block whose every key is at
     least ``window`` positions behind every query is skipped (a ``lax.cond``: no work, only its hop),
     so short windows do less work, not just more masking. Likewise with packed documents (segment ids
     ``q_seg``, ``k_seg [B, T]``; the keys' travel with them): a block in which no query shares a
-    document with a visible key is skipped, so short documents do less work.
+    document with a visible key is skipped, so short documents do less work. Attention sinks (``sinks
+    [H]``, this device's heads) start the online softmax as a block of one logit per head and no value.
 
     Communication overlaps computation: each K/V block is passed on to the next device *before*
     it is used, so the ``ppermute`` of step s+1's block runs while step s's block is computed (the
@@ -128,8 +129,12 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: flo
     scale = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
     qg = q.reshape(b, t, kv, g, d)
     dv = v.shape[-1]  # the values' width (MLA's differs from the queries')
-    carry = (jnp.zeros((b, t, kv, g, dv), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
-             jnp.zeros((b, kv, g, t), jnp.float32))
+    if sinks is None:
+        carry = (jnp.zeros((b, t, kv, g, dv), jnp.float32), jnp.full((b, kv, g, t), NEG, jnp.float32),
+                 jnp.zeros((b, kv, g, t), jnp.float32))
+    else:  # the sink as a first block: one logit per head, of weight exp(0) = 1 at its own maximum, and no value
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1), (b, kv, g, t))
+        carry = (jnp.zeros((b, t, kv, g, dv), jnp.float32), m0, jnp.ones((b, kv, g, t), jnp.float32))
     half = t // 2
     lo, hi = slice(0, half), slice(half, t)
     perm = [(r, (r + 1) % n) for r in range(n)]
@@ -185,13 +190,13 @@ def ring_attention(q, k, v, q_pos, k_pos, *, axis: str, zigzag: bool, scale: flo
 
 
 def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None,
-                         seg=None):
+                         seg=None, sinks=None):
     """Local queries over the gathered K/V: ``kernel``'s causal mask shifted by this device's first
     position (by explicit positions when the tokens are not in order); segment ids ``seg [B, T/N]``
     (packed documents) gathered with the keys."""
     k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
     v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-    kw: dict[str, Any] = dict(scale=scale, window=window)
+    kw: dict[str, Any] = dict(scale=scale, window=window, sinks=sinks)
     if seg is not None:
         kw.update(q_seg=seg, k_seg=jax.lax.all_gather(seg, axis, axis=1, tiled=True))
     if pos is not None:
@@ -206,7 +211,7 @@ def all_gather_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float |
 
 
 def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | None = None, window=None,
-                      seg=None):
+                      seg=None, sinks=None):
     """All-to-all from sequence-split to head-split, whole-sequence attention, and back (segment ids of
     packed documents gathered over the sequence)."""
     def to_heads(x):  # [B, T/N, H, D] -> [B, T, H/N, D]
@@ -214,19 +219,23 @@ def ulysses_attention(q, k, v, pos, *, axis: str, kernel: str, scale: float | No
 
     pos = None if pos is None else jax.lax.all_gather(pos, axis, axis=0, tiled=True)
     seg = None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
+    if sinks is not None:  # this device's share of its heads after the all-to-all
+        n = sinks.shape[0] // jax.lax.axis_size(axis)
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axis) * n, n)
     out = attention(to_heads(q), to_heads(k), to_heads(v), kernel, q_pos=pos, k_pos=pos, scale=scale, window=window,
-                    q_seg=seg, k_seg=seg)
+                    q_seg=seg, k_seg=seg, sinks=sinks)
     return jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float | None = None, window=None,
-                      segment_ids=None):
+                      segment_ids=None, sinks=None):
     """Causal attention of the global ``q [B,T,H,D]``, ``k, v [B,T,KV,D]`` under the active rules.
 
     ``positions [T]``: the tokens' global positions when they are not in order (zig-zag), else None.
     ``segment_ids [B, T]``: packed documents (a query attends within its own document), else None.
     ``scale``: the scores' multiplier (default ``1/sqrt(D)``); ``window``: a sliding window (None or 0:
-    none; a Python int, or a traced scalar such as a per-layer value).
+    none; a Python int, or a traced scalar such as a per-layer value). ``sinks [H]``: attention sinks (a
+    logit per head in the softmax; split over ``tensor`` with the heads), else None.
     Without a multi-device mesh this is :func:`attention`; with one it runs in a ``shard_map`` over
     the whole mesh (batch over the batch axes, heads over ``tensor``), every device computing its
     own heads and tokens with ``kernel``, and with ``seq`` > 1 the strategy of
@@ -236,23 +245,24 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
     mesh = None if rules is None else rules.mesh
     if rules is None or mesh is None or not rules.manual_axes():
         return attention(q, k, v, kernel, q_pos=positions, k_pos=positions, scale=scale, window=window,
-                         q_seg=segment_ids, k_seg=segment_ids)
+                         q_seg=segment_ids, k_seg=segment_ids, sinks=sinks)
     strategy = rules.seq_attention
     if strategy is None:
-        def local(q, k, v, pos, window, seg):
-            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos, scale=scale, window=window, q_seg=seg, k_seg=seg)
+        def local(q, k, v, pos, window, seg, sinks):
+            return attention(q, k, v, kernel, q_pos=pos, k_pos=pos, scale=scale, window=window, q_seg=seg, k_seg=seg,
+                             sinks=sinks)
     elif strategy == "ring":
-        def local(q, k, v, pos, window, seg):
+        def local(q, k, v, pos, window, seg, sinks):
             if pos is None:
                 t = q.shape[1]
                 pos = jax.lax.axis_index("seq") * t + jnp.arange(t)
             return ring_attention(q, k, v, pos, pos, axis="seq", zigzag=rules.parallel.seq_zigzag, scale=scale,
-                                  window=window, q_seg=seg, k_seg=seg)
+                                  window=window, q_seg=seg, k_seg=seg, sinks=sinks)
     elif strategy in STRATEGIES:
         cp = {"all_gather": all_gather_attention, "ulysses": ulysses_attention}[strategy]
 
-        def local(q, k, v, pos, window, seg):
-            return cp(q, k, v, pos, axis="seq", kernel=kernel, scale=scale, window=window, seg=seg)
+        def local(q, k, v, pos, window, seg, sinks):
+            return cp(q, k, v, pos, axis="seq", kernel=kernel, scale=scale, window=window, seg=seg, sinks=sinks)
     else:
         raise ValueError(f"unknown seq attention strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     p = rules.params
@@ -267,6 +277,8 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
         specs, args = specs + (p.spec(("length",)),), args + (positions,)
     if segment_ids is not None:
         specs, args = specs + (p.spec(("batch", "length")),), args + (segment_ids,)
+    if sinks is not None:
+        specs, args = specs + (p.spec(("act_heads",)),), args + (sinks,)
     # check_vma=False: JAX 0.10's varying-axes check rejected the ring's online-softmax loop inside
     # pipeline stages, and fused kernels carry no varying-axes rules; every input and output is split
     # over the batch, sequence and head axes (nothing is replicated) and the only cross-device ops are
@@ -279,7 +291,8 @@ def sharded_attention(q, k, v, positions, kernel: str = "xla", *, scale: float |
         w = rest.pop(0) if traced_window else window
         pos = rest.pop(0) if positions is not None else None
         seg = rest.pop(0) if segment_ids is not None else None
-        return local(q, k, v, pos, w, seg)
+        sk = rest.pop(0) if sinks is not None else None
+        return local(q, k, v, pos, w, seg, sk)
 
     manual = rules.manual_axes()
     fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=qs, axis_names=manual, check_vma=False)

@@ -88,7 +88,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, check_groups
-from jaxpar.layers.mlp import GATED, KINDS, MLP, activate
+from jaxpar.layers.mlp import GATED, KINDS, MLP, Kind, activate, kind_name
 from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
 from jaxpar.partitioning import active_rules, param
 
@@ -186,15 +186,19 @@ class MoE(nnx.Module):
     adds ``router_bias [router]`` (zeros; chooses experts, no gradient), which the caller moves after
     each optimizer step with :func:`balance_bias` and ``stats["expert_load"]`` (the trainer does it);
     ``routing_bias`` adds it without moving it (DeepSeek-V3's ``e_score_correction_bias``, as imported).
+    ``logit_bias`` adds ``router_logit_bias [router]``, a trained bias on the router's logits (GPT-OSS);
+    ``expert_bias`` the experts' biases ``b_in [experts, (2,) mlp]`` (on the up projections) and ``b_out
+    [router, expert_embed]`` (on the down projection: every expert's, whole on every device, added once as
+    ``sum_j g_tj b_out[e_tj]``).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
-                 dropless: bool = False, renormalize: bool = True, kind: str = "gelu", init_std: float = 0.02,
+                 dropless: bool = False, renormalize: bool = True, kind: Kind = "gelu", init_std: float = 0.02,
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
                  dispatch: str = "capacity", bias_update_rate: float = 0.0, groups: int = 1, top_groups: int = 1,
-                 gate_scale: float = 1.0, routing_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
-        if kind not in KINDS:
+                 gate_scale: float = 1.0, routing_bias: bool = False, logit_bias: bool = False,
+                 expert_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if kind_name(kind) not in KINDS:
             raise ValueError(f"unknown expert kind {kind!r}; choose one of {', '.join(KINDS)}")
         # a library caller's mistake names the argument (and the config key train.py users set)
         if score not in SCORES:
@@ -230,7 +234,7 @@ class MoE(nnx.Module):
         self.router_bias = (param(jnp.zeros((n_experts,), jnp.float32), ("router",))
                             if bias_update_rate > 0 or routing_bias else None)
         self.in_axes: tuple[str, ...]
-        if kind in GATED:
+        if kind_name(kind) in GATED:
             self.in_axes = ("experts", "expert_embed", "fused", "mlp")
             w_in = init(rngs.params(), (n_experts, d_model, 2, d_ff), param_dtype)
         else:
@@ -239,6 +243,11 @@ class MoE(nnx.Module):
         self.out_axes = ("experts", "mlp", "expert_embed")
         self.w_in = param(w_in, self.in_axes)
         self.w_out = param(out_init(rngs.params(), (n_experts, d_ff, d_model), param_dtype), self.out_axes)
+        self.router_logit_bias = param(jnp.zeros((n_experts,), param_dtype), ("router",)) if logit_bias else None
+        b_in_axes = (self.in_axes[0], *self.in_axes[2:])
+        self.b_in = param(jnp.zeros(w_in.shape[:1] + w_in.shape[2:], param_dtype), b_in_axes) if expert_bias else None
+        self.b_out = (param(jnp.zeros((n_experts, d_model), param_dtype), ("router", "expert_embed"))
+                      if expert_bias else None)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         return self.apply(x)
@@ -252,8 +261,11 @@ class MoE(nnx.Module):
         return y, stats
 
     def _routed(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        weights = (self.router[...], self.w_in[...], self.w_out[...],
-                   None if self.router_bias is None else self.router_bias[...])
+        def value(p):
+            return None if p is None else p[...]
+
+        weights = (self.router[...], self.w_in[...], self.w_out[...], value(self.router_bias),
+                   value(self.router_logit_bias), value(self.b_in), value(self.b_out))
         rules = active_rules()
         mesh = None if rules is None else rules.mesh
         if rules is None or mesh is None:
@@ -272,15 +284,17 @@ class MoE(nnx.Module):
         if not manual:
             return self._local(x, *weights, ax=ax)
         x_spec = P(_entry(batch), _entry(length + sp))  # Megatron-SP: sequence-split over tensor too
+        names = (("embed", "router"), self.in_axes, self.out_axes, ("router",), ("router",),
+                 (self.in_axes[0], *self.in_axes[2:]), ("router", "expert_embed"))
         w_specs = tuple(None if w is None else rules.compute.spec(n, w.shape, "MoE weight")
-                        for n, w in zip((("embed", "router"), self.in_axes, self.out_axes, ("router",)), weights))
+                        for n, w in zip(names, weights))
         stats_spec = {k: P() for k in ("aux_loss", "z_loss", "drop_fraction", "expert_load")}
         fn = jax.shard_map(lambda *a: self._local(*a, ax=ax), mesh=mesh, in_specs=(x_spec, *w_specs),
                            out_specs=(x_spec, stats_spec), axis_names=manual, check_vma=True)
         return fn(x, *weights)
 
     # -- one device's work --------------------------------------------------------------------
-    def _local(self, x, w_router, w_in, w_out, bias, *, ax: _Axes):
+    def _local(self, x, w_router, w_in, w_out, bias, logit_bias, b_in, b_out, *, ax: _Axes):
         if ax.sp:  # Megatron-SP: the sequence gathered over tensor here (its transpose: a reduce-scatter)
             x = jax.lax.all_gather(x, ax.sp, axis=1, tiled=True)
         b, t, d = x.shape
@@ -288,6 +302,8 @@ class MoE(nnx.Module):
         cap = expert_capacity(g, e, k, self.capacity_factor, self.dropless)
         xt = x.reshape(g, d)
         logits = jnp.einsum("gd,de->ge", xt.astype(jnp.float32), w_router.astype(jnp.float32))
+        if logit_bias is not None:
+            logits = logits + logit_bias.astype(jnp.float32)
         r = route(logits, k, cap, self.renormalize, self.score, bias, self.groups, self.top_groups, self.gate_scale)
         # dispatch: every kept assignment copies its token into its expert's slot (dropped: index E*C, discarded)
         tokens = xt.astype(self.dtype)
@@ -299,16 +315,25 @@ class MoE(nnx.Module):
         if self.dispatch == "sorted":
             impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
             w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
+            b_in = None if b_in is None else b_in.astype(self.dtype)
             if ax.expert:
                 # every operand varying over the same axes, so the rounds' custom VJP returns gradients of
                 # the primal's type (the replicas' weight gradients are then summed by the pcast's transpose)
                 w_in, w_out, tokens = (varying(v, ax.tokens + ax.tensor) for v in (w_in, w_out, tokens))
+                b_in = None if b_in is None else varying(b_in, ax.tokens + ax.tensor)
                 y = exchanged_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind,
-                                      axes=ax.expert, ep=ax.ep, chunk=self.capacity_factor, impl=impl)
+                                      axes=ax.expert, ep=ax.ep, chunk=self.capacity_factor, impl=impl, b_in=b_in)
             else:
-                y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind, impl)
+                y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind, impl,
+                                   b_in=b_in)
         else:
-            y = self._capacity_experts(tokens, r, w_in, w_out, cap, ax)
+            y = self._capacity_experts(tokens, r, w_in, w_out, cap, ax, b_in)
+        if b_out is not None:  # the kept assignments' down biases, gated; on each tensor rank 1/t of it (summed below)
+            gates = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
+            term = jnp.einsum("gk,gkd->gd", gates, jnp.take(b_out.astype(self.dtype), r.experts, axis=0))
+            if ax.tensor:
+                term = varying(term, ax.tensor) / math.prod(jax.lax.axis_size(a) for a in ax.tensor)
+            y = y + term
         y = y.reshape(b, t, d)
         if ax.sp:  # the row-parallel partial sums, reduced and split over the sequence again
             y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
@@ -316,7 +341,7 @@ class MoE(nnx.Module):
             y = jax.lax.psum(y, ax.tensor)
         return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
 
-    def _capacity_experts(self, tokens, r: Routing, w_in, w_out, cap: int, ax: _Axes):
+    def _capacity_experts(self, tokens, r: Routing, w_in, w_out, cap: int, ax: _Axes, b_in=None):
         """``tokens [G, d]`` through their kept experts via capacity slots (and all-to-all over expert)."""
         g, d = tokens.shape
         e, k = self.n_experts, self.top_k
@@ -324,7 +349,7 @@ class MoE(nnx.Module):
         buf = jnp.zeros((e * cap, d), self.dtype).at[r.slot].add(rows, mode="drop").reshape(e, cap, d)
         if ax.expert:  # [E, C, d] -> [E/ep, ep*C, d]: my experts' slots from every device of my expert group
             buf = jax.lax.all_to_all(buf, ax.expert, split_axis=0, concat_axis=1, tiled=True)
-        out = self._experts(buf, w_in, w_out)
+        out = self._experts(buf, w_in, w_out, b_in)
         if ax.expert:  # and back: [E/ep, ep*C, d] -> [E, C, d]
             out = jax.lax.all_to_all(out, ax.expert, split_axis=1, concat_axis=0, tiled=True)
         # combine: each token sums its k slots weighted by its gates (dropped slots read 0)
@@ -332,9 +357,11 @@ class MoE(nnx.Module):
         weights = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
         return jnp.einsum("gkd,gk->gd", picked, weights)
 
-    def _experts(self, buf, w_in, w_out):
-        """``buf [E_local, N, d]`` through each local expert's FFN (remat names ``mlp_up``, ``mlp_down``)."""
-        h = checkpoint_name(jnp.einsum("end,ed...->en...", buf, w_in.astype(self.dtype)), "mlp_up")
+    def _experts(self, buf, w_in, w_out, b_in=None):
+        """``buf [E_local, N, d]`` through each local expert's FFN (remat names ``mlp_up``, ``mlp_down``;
+        ``b_in [E_local, (2,) f]``: the up projections' biases)."""
+        h = jnp.einsum("end,ed...->en...", buf, w_in.astype(self.dtype))
+        h = checkpoint_name(h if b_in is None else h + b_in[:, None].astype(self.dtype), "mlp_up")
         h = activate(h, self.kind)
         return checkpoint_name(jnp.einsum("enf,efd->end", h, w_out.astype(self.dtype)), "mlp_down")
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.layers.mlp import Kind
 from jaxpar.layers.mlp import activate as _ffn
 
 
@@ -22,7 +23,7 @@ def tile_rows(assignments: int, n_experts: int) -> int:
     return max(1, min(128, assignments // (8 * n_experts)))
 
 
-def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles"):
+def sorted_experts(x, experts, gates, w_in, w_out, kind: Kind, impl: str = "tiles", b_in=None):
     """Dropless experts at the cost of the routed assignments: ``x [G, d]``, ``experts``/``gates [G, k]``
     -> ``y [G, d] = sum_j gates_tj FFN_{experts_tj}(x_t)``.
 
@@ -31,7 +32,7 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles
     grouped GEMM on GPU / TPU; XLA:CPU compiles it as a dense matmul over every expert), ``"tiles"``
     pads each expert's rows to a multiple of :func:`tile_rows` and scans over the tiles, each one
     expert's matmul: compute ``<= (G*k + E*(m-1)) * FFN``, whatever the routing. Results are unsorted
-    and combined with the gates.
+    and combined with the gates. ``b_in [E, (2,) f]``: the up projections' biases (GPT-OSS), or None.
     """
     g, d = x.shape
     k, e = experts.shape[1], w_in.shape[0]
@@ -41,6 +42,8 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles
     fused = w_in.reshape(e, d, -1)                             # [E, d, (2) f]
     if impl == "ragged_dot":
         h = jax.lax.ragged_dot(xs, fused, sizes).reshape(a, *w_in.shape[2:])
+        if b_in is not None:
+            h = h + jnp.take(b_in, flat[order], axis=0)
         ys = jax.lax.ragged_dot(_ffn(checkpoint_name(h, "mlp_up"), kind), w_out, sizes)
     else:
         m = tile_rows(a, e)
@@ -57,6 +60,8 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: str, impl: str = "tiles
         def tile(_, inp):
             rows, i = inp
             h = jnp.einsum("md,dh->mh", rows, fused[i]).reshape(m, *w_in.shape[2:])
+            if b_in is not None:
+                h = h + b_in[i]
             return None, jnp.einsum("mf,fd->md", _ffn(checkpoint_name(h, "mlp_up"), kind), w_out[i])
 
         _, out = jax.lax.scan(tile, None, (buf.reshape(n_tiles, m, d), owner))
@@ -117,8 +122,8 @@ def _sum_rounds_bwd(body, res, ct):
 sum_rounds.defvjp(_sum_rounds_fwd, _sum_rounds_bwd)
 
 
-def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple, ep: int, chunk: float = 1.25,
-                      impl: str = "tiles"):
+def exchanged_experts(x, experts, gates, w_in, w_out, kind: Kind, *, axes: tuple, ep: int, chunk: float = 1.25,
+                      impl: str = "tiles", b_in=None):
     """Dropless experts split over the mesh axes ``axes`` (``ep`` devices, ``w_in [E/ep, ...]`` the local
     experts): ``x [G, d]``, ``experts``/``gates [G, k]`` (global expert ids) -> ``y [G, d]`` as
     :func:`sorted_experts` computes it on one device. Call inside ``shard_map`` (manual over ``axes``).
@@ -132,6 +137,8 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple,
        ``ceil(rows to one peer / c)`` over the expert group (a ``pmax``): 1 for balanced routing, at most
        ``ceil(ep/chunk)`` when every row goes to one device. Each round's buffers are ``[ep, c, d]``, so
        memory and bytes per round follow the routed rows, never ``E*G`` slots.
+
+    ``b_in [E/ep, (2,) f]``: the local experts' up biases, or None.
 
     This padded exchange runs on every backend (``jax.lax.ragged_all_to_all`` does not compile on
     XLA:CPU); its padding is bounded by the largest per-peer count of the round, rounded up to ``c``.
@@ -147,7 +154,7 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple,
     n = jax.lax.pmax(jnp.max((send + c - 1) // c), axes)
     plan = (jnp.cumsum(send) - send, send, jnp.cumsum(recv, axis=1))
 
-    def one_round(r, plan, xs, w_in, w_out):
+    def one_round(r, plan, xs, w_in, w_out, b_in):
         start, count, ends = plan
         q = r * c + jnp.arange(c)                              # my rows' positions in each peer's stream
         valid = q[None, :] < count[:, None]                    # [ep, c]
@@ -156,11 +163,11 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: str, *, axes: tuple,
         got = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [ep, c, d]: peer j's rows for my experts
         lid = jnp.sum(ends[:, None, :] <= q[None, :, None], axis=-1).reshape(ep * c, 1)   # local expert; el: pad
         ys = sorted_experts(got.reshape(ep * c, d), jnp.minimum(lid, el - 1), (lid < el).astype(xs.dtype),
-                            w_in, w_out, kind, impl)
+                            w_in, w_out, kind, impl, b_in)
         back = jax.lax.all_to_all(ys.reshape(ep, c, d), axes, 0, 0, tiled=True)    # my rows' results
         return jnp.zeros((a, d), ys.dtype).at[rows].set(back, mode="drop")
 
-    return _combine(checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out), "mlp_down"), order, gates)
+    return _combine(checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out, b_in), "mlp_down"), order, gates)
 
 
 def _vma(v) -> frozenset:
