@@ -318,3 +318,32 @@ def test_what_jaxpar_cannot_express_is_one_error_naming_the_field(tmp_path_facto
             load_config(None, [*mla, *over])
     with pytest.raises(ConfigError, match="moe.first_dense=4 leaves no MoE layer"):
         load_config(None, ["model.arch=moe", *mla, "moe.first_dense=4"])
+
+
+# DeepSeek-V3's switches on a tiny model: MLA, a dense first layer, sigmoid group-limited routing with bias
+# balancing, a shared expert; router losses off (they are per routing group, and a pipeline's groups are its
+# microbatches: see test_moe)
+SWITCHES = dict(model__arch="moe", model__n_layers=3, model__head_dim=16, model__kv_lora_rank=12,
+                model__q_lora_rank=20, model__rope_head_dim=8, model__v_head_dim=12, moe__n_experts=8, moe__top_k=2,
+                moe__first_dense=1, moe__score="sigmoid", moe__n_group=4, moe__topk_group=2,
+                moe__routed_scaling_factor=2.5, moe__shared_experts=1, moe__bias_update_rate=0.01, moe__dropless=True,
+                moe__dispatch="sorted", moe__aux_loss_weight=0.0, moe__z_loss_weight=0.0)
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(dict(parallel__expert=2, parallel__data=2, parallel__zero=1), id="expert2-data2-zero1"),
+    pytest.param(dict(parallel__expert=2, parallel__data=2, parallel__zero=3), id="expert2-data2-zero3", marks=SLOW),
+    pytest.param(dict(parallel__expert=2, parallel__tensor=2, parallel__pipe=2, parallel__pipeline_schedule="1f1b",
+                      parallel__microbatches=2), id="pipe2-expert2-tensor2-1f1b", marks=SLOW)])
+def test_switches_train_on_every_axis_as_one_device(layout):
+    """Three AdamW steps with the routing bias moved after each: losses and parameters (the routing biases
+    included, which move by the batch's loads) equal one device's."""
+    from helpers import assert_params_close, config, run
+
+    ref = run(config("llama", **SWITCHES), steps=3)
+    got = run(config("llama", **SWITCHES, **layout), steps=3)
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=2e-6)
+    bias = ref["params"]["blocks"]["moe"]["mlp"]["router_bias"]
+    assert np.any(bias != 0)  # the bias moved
+    np.testing.assert_array_equal(got["params"]["blocks"]["moe"]["mlp"]["router_bias"], bias)
+    assert_params_close(got["params"], ref["params"])
