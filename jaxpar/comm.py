@@ -33,7 +33,10 @@ pipe              GPipe / circular: per iteration (M R + S - 1 of them) one coll
                   nonzero on one stage; under ZeRO-1 only the device's shard, after the reduction
                   over the batch axes); the head / loss / lookup collectives on the whole ``rows``
                   (every stage runs them, lock-step)
-expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward
+expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward;
+                  sorted dispatch: exchange rounds of ``[ep, c, d]`` (``c = ceil(cf k rows Tl / ep)``), 2
+                  all-to-alls a round forward, 3 backward (a round's rows again, and both transposed),
+                  one round for balanced routing (XLA:CPU's static count: two, round 0 and the loop body)
 seq               all_gather: per layer K and V all-gathered forward, reduce-scattered backward;
                   ring: per layer N-1 hops of K and V each way; ulysses: 4 all-to-alls each way
 ================  ================================================================================
@@ -219,13 +222,13 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     block_ar = 2 * fwd_runs + 2 * bwd_runs + recompute_ar * redo_runs  # attention-out and MLP-down, and transposes
     if f1b and m.n_layers == s_ * r_:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
         block_ar -= k * f1b_steady  # the chunk's output, is unused by the backward and XLA drops its all-reduce
-    every = cfg.moe.every if m.arch == "moe" else 1
+    moe_layers = cfg.moe.groups(m.n_layers) if m.arch == "moe" else 0
     shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts
     hk, lk = k * head_runs, k * lookup_runs
     if sizes["tensor"] > 1 and not par.megatron_sp:
         add("all-reduce", tp, block_ar, act, "Megatron block all-reduces")
         # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
-        add("all-reduce", tp, shared * (fwd_runs + bwd_runs) // every, act, "shared experts' all-reduces")
+        add("all-reduce", tp, shared * (fwd_runs + bwd_runs) * moe_layers // m.n_layers, act, "shared experts' all-reduces")
         add("all-reduce", tp, lk, head_rows * tl * d * param_bytes, "vocab-parallel lookup")
         add("all-reduce", tp, hk, head_grad, "loss input gradient")
         add("all-reduce", tp, 3 * hk, head_rows * tl * 4, "loss max / sum / target over the vocabulary")
@@ -235,7 +238,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             "Megatron-SP column-layer input all-gathers")
         add("reduce-scatter", tp, block_ar, act / t_, "Megatron-SP row-layer reduce-scatters")
         # the shared experts' input all-gathers are the routed experts' (the same gather of the same value, CSE'd)
-        add("reduce-scatter", tp, shared * (fwd_runs + bwd_runs) // every, act / t_,
+        add("reduce-scatter", tp, shared * (fwd_runs + bwd_runs) * moe_layers // m.n_layers, act / t_,
             "Megatron-SP shared experts' reduce-scatters")
         add("reduce-scatter", tp, lk, head_act / t_, "Megatron-SP lookup reduce-scatter")
         add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
@@ -259,9 +262,21 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     if m.arch == "moe" and sizes["expert"] > 1:
         e = cfg.moe
         tokens = layer_rows * tl
-        cap = expert_capacity(tokens, e.n_experts, e.top_k, e.capacity_factor, e.dropless)
-        buf = e.n_experts * cap * d * act_bytes
-        add("all-to-all", ("expert",), 2 * (fwd_runs + bwd_runs + redo_runs) // e.every, buf, "MoE dispatch / combine")
+        groups, ep = e.groups(m.n_layers), sizes["expert"]
+        if e.dispatch_path() == "sorted":
+            # the exchange rounds of [ep, c, d], c = ceil(cf k tokens / ep): forward rows out and results back;
+            # the backward (sum_rounds' VJP) redoes a round's rows-out exchange and transposes both. One round
+            # when the routing is balanced; XLA:CPU's static count holds round 0 and the loop's body once (two)
+            c = max(1, math.ceil(e.capacity_factor * e.top_k * tokens / ep - 1e-9))
+            rounds = 2 if platform == "cpu" else 1
+            runs = rounds * (2 * fwd_runs + 3 * bwd_runs + 2 * redo_runs)
+            add("all-to-all", ("expert",), runs * groups // m.n_layers, ep * c * d * act_bytes,
+                "MoE sorted-dispatch exchange rounds")
+        else:
+            cap = expert_capacity(tokens, e.n_experts, e.top_k, e.capacity_factor, e.dropless)
+            buf = e.n_experts * cap * d * act_bytes
+            add("all-to-all", ("expert",), 2 * (fwd_runs + bwd_runs + redo_runs) * groups // m.n_layers, buf,
+                "MoE dispatch / combine")
 
     # -- sequence parallelism --------------------------------------------------------------------------
     n = sizes["seq"]

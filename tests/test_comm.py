@@ -61,6 +61,14 @@ LAYOUTS = {
     # MoE in every other layer (the second of two): the all-to-alls count per MoE layer, not per layer
     "expert-zero3-every2": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4,
                                          parallel__zero=3, moe__every=2)),
+    # the sorted dispatch's exchange rounds (remat: the forward's rounds again), a dense first layer and a shared
+    # expert (DeepSeek-V3's: the MoE layers are the last 2 of 3)
+    "expert-sorted-first-dense": ("llama", dict(model__arch="moe", model__n_layers=3, parallel__data=2,
+                                                parallel__expert=4, moe__n_experts=8, moe__dropless=True,
+                                                moe__dispatch="sorted", moe__first_dense=1, model__remat="full")),
+    "expert-tensor-sorted-shared": ("llama", dict(model__arch="moe", parallel__tensor=2, parallel__expert=4,
+                                                  moe__n_experts=8, moe__dropless=True, moe__dispatch="sorted",
+                                                  moe__shared_experts=1, moe__first_dense=2, model__n_layers=4)),
 }
 
 

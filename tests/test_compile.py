@@ -1,7 +1,8 @@
 """python -m jaxpar.compile: the shipped GPT-3 175B and Mixtral 8x7B configs compile ahead of time for
 1024 and 256 simulated devices without allocating a weight (each in seconds: the full scale is tested),
-and the shipped one-node configs of today's dense families (Llama 3.1 8B, Qwen3-8B, Mistral 7B, Gemma 3 4B,
-Qwen2.5-7B) for 8 devices of 80 GiB in their planned layouts.
+the shipped one-node configs of today's dense families (Llama 3.1 8B, Qwen3-8B, Mistral 7B, Gemma 3 4B,
+Qwen2.5-7B) for 8 devices of 80 GiB in their planned layouts, and Qwen3-30B-A3B and GPT-OSS-20B for 64 and
+32 devices.
 
 References: the parameter counts by hand from the published shapes, the per-device state as the total
 over the devices, and the compiled collectives against the analytic model of jaxpar.comm.
@@ -130,6 +131,40 @@ def test_family_configs_compile_for_one_node(tmp_path, config, params):
     # few small vectors kept whole)
     state = r["per_device"]["params"] + r["per_device"]["opt"]
     assert 1.0 <= state / (4 * params / r["mesh"]["tensor"] + 2 * 4 * params / 8) < 1.01
+    assert_collectives_match_model(r)
+
+
+def qwen3_30b_a3b_params() -> int:
+    """Qwen3-30B-A3B: 48 layers of attention (32 query, 4 KV heads of 128) with QK-norm (2 x 128), two RMSNorms, a
+    router d x 128 and 128 SwiGLU experts of 3 d x 768; untied embedding and head of 151936 (a multiple of 128);
+    final RMSNorm. Published: 30.5B."""
+    d, L = 2048, 48
+    return L * (attention_params(d, 32, 4, 128) + 2 * 128 + 2 * d + d * 128 + 128 * 3 * d * 768) + 2 * 151936 * d + d
+
+
+def gpt_oss_20b_params() -> int:
+    """GPT-OSS-20B: 24 layers of attention (64 query, 8 KV heads of 64) with biases on Q, K, V (4096 + 2 x 512) and
+    O (d), a sink per head (64), two RMSNorms, a router d x 32 with its bias, 32 experts of 3 d x 2880 with their
+    biases (2 x 2880 up, d down); untied embedding and head of 201088 (a multiple of 128); final RMSNorm.
+    Published: 20.9B."""
+    d, L, E, f = 2880, 24, 32, 2880
+    attn = attention_params(d, 64, 8, 64) + 4096 + 2 * 512 + d + 64
+    moe = d * E + E + E * (3 * d * f + 2 * f + d)
+    return L * (attn + 2 * d + moe) + 2 * 201088 * d + d
+
+
+@pytest.mark.parametrize("config,devices,params", [("qwen3_30b_a3b.yaml", 64, qwen3_30b_a3b_params()),
+                                                   ("gpt_oss_20b.yaml", 32, gpt_oss_20b_params())])
+def test_moe_family_configs_compile(tmp_path, config, devices, params):
+    """The shipped Qwen3-MoE and GPT-OSS configs (expert x data, ZeRO-3, the sorted dropless dispatch) compile
+    for their H100 clusters and fit 80 GiB per device, with the published parameter counts; the sorted
+    dispatch's exchange rounds are the comm model's (two rounds in XLA:CPU's static count)."""
+    r = compiled(tmp_path, config)
+    assert r["devices"] == devices and r["parameters"] == params
+    state = r["per_device"]["params"] + r["per_device"]["opt"]
+    assert 1.0 <= state / (3 * 4 * params / devices) < 1.05  # ZeRO-3: everything split, but small vectors
+    assert r["per_device"]["total"] < 80 * GIB
+    assert "all-to-all" in r["collectives"]
     assert_collectives_match_model(r)
 
 

@@ -206,7 +206,8 @@ MUTANTS = [
                  "finds past its ends (local expert el: gated 0) and returns as zeros; their scatter lands on that "
                  "row before its own value in the same scatter (XLA:CPU writes duplicates in order) or adds 0 in "
                  "the sum over rounds. Not equivalent where duplicate scatter indices race (GPU): there only a "
-                 "bit-reproducibility test on a GPU could see it"),
+                 "bit-reproducibility test on a GPU could see it; the duplicate row also breaks the scatter's "
+                 "unique_indices promise, which XLA:CPU does not exploit"),
     M("moe-dropped-gate-kept", "moe-routing", MOE,
       "weights = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)", "weights = r.gates.astype(self.dtype)",
       [f"{LAYER_REF}[one_device_drop]"],

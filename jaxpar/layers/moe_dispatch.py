@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.layers.mlp import Kind
 from jaxpar.layers.mlp import activate as _ffn
+from jaxpar.layers.remat import keep_all_but_selection
 
 
 def tile_rows(assignments: int, n_experts: int) -> int:
@@ -52,7 +53,9 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: Kind, impl: str = "tile
         se = flat[order]
         dest = (ends - padded)[se] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[se]   # row in the padded buffer
         n_tiles = -(-(a + e * (m - 1)) // m)
-        buf = jnp.zeros((n_tiles * m, d), x.dtype).at[dest].set(xs)
+        # unique_indices (dest is one-to-one): JAX's derivative of a scatter that may repeat indices scatters
+        # the updates' ids to find the winner, two u32 buffers of the operand's size more
+        buf = jnp.zeros((n_tiles * m, d), x.dtype).at[dest].set(xs, unique_indices=True)
         # the expert whose padded rows hold tile j: how many experts end at or before its first row
         # (a comparison, not jnp.searchsorted, which does not trace inside shard_map with check_vma)
         owner = jnp.minimum(jnp.sum(ends[None, :] <= (jnp.arange(n_tiles) * m)[:, None], axis=1), e - 1)
@@ -64,6 +67,10 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: Kind, impl: str = "tile
                 h = h + b_in[i]
             return None, jnp.einsum("mf,fd->md", _ffn(checkpoint_name(h, "mlp_up"), kind), w_out[i])
 
+        # the backward selects each tile's expert weights again: kept, fused[i] and w_out[i] would be a copy of
+        # the experts' weights per tile ([n_tiles, d, (2) f], tens of GiB for fine-grained experts), not the
+        # tile's activations ([m, (2) f]); everything else is kept as without the checkpoint (no matmul redone)
+        tile = jax.checkpoint(tile, policy=keep_all_but_selection, prevent_cse=False)
         _, out = jax.lax.scan(tile, None, (buf.reshape(n_tiles, m, d), owner))
         ys = jnp.take(out.reshape(n_tiles * m, d), dest, axis=0)
     return _combine(checkpoint_name(ys, "mlp_down"), order, gates)
@@ -80,7 +87,7 @@ def _by_expert(x, experts):
 def _combine(ys, order, gates):
     """Results ``[A, d]`` in sorted order -> ``y [G, d] = sum_j gates_tj * result of (t, j)``."""
     g, k = gates.shape
-    y = jnp.zeros_like(ys).at[order].set(ys)                   # back to assignment order
+    y = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)   # back to assignment order (a permutation)
     return jnp.einsum("gkd,gk->gd", y.reshape(g, k, -1), gates)
 
 
@@ -158,14 +165,15 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: Kind, *, axes: tuple
         start, count, ends = plan
         q = r * c + jnp.arange(c)                              # my rows' positions in each peer's stream
         valid = q[None, :] < count[:, None]                    # [ep, c]
-        rows = jnp.where(valid, start[:, None] + q[None, :], a)
+        # the padding's rows: past the end (read as 0, written nowhere), each its own, so rows stay unique
+        rows = jnp.where(valid, start[:, None] + q[None, :], a + jnp.arange(ep * c).reshape(ep, c))
         out = jnp.take(xs, rows, axis=0, mode="fill", fill_value=0)
         got = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [ep, c, d]: peer j's rows for my experts
         lid = jnp.sum(ends[:, None, :] <= q[None, :, None], axis=-1).reshape(ep * c, 1)   # local expert; el: pad
         ys = sorted_experts(got.reshape(ep * c, d), jnp.minimum(lid, el - 1), (lid < el).astype(xs.dtype),
                             w_in, w_out, kind, impl, b_in)
         back = jax.lax.all_to_all(ys.reshape(ep, c, d), axes, 0, 0, tiled=True)    # my rows' results
-        return jnp.zeros((a, d), ys.dtype).at[rows].set(back, mode="drop")
+        return jnp.zeros((a, d), ys.dtype).at[rows].set(back, mode="drop", unique_indices=True)
 
     return _combine(checkpoint_name(sum_rounds(one_round, n, plan, xs, w_in, w_out, b_in), "mlp_down"), order, gates)
 

@@ -75,7 +75,9 @@ def remat(fn, name: str):
 _SELECTION = frozenset({"dynamic_slice", "gather", "squeeze", "sharding_constraint"})
 
 
-def _keep_all_but_selection(prim, *_, **__) -> bool:
+def keep_all_but_selection(prim, *_, **__) -> bool:
+    """A ``jax.checkpoint`` policy: keep everything but weight selections (``_SELECTION``), which the backward
+    redoes (pipeline stages; the sorted MoE dispatch's tiles, which select their expert's weights)."""
     return prim.name not in _SELECTION
 
 
@@ -85,7 +87,7 @@ def select_remat(fn, name: str):
     which the backward selects again. Only for that: a nested ``jax.checkpoint`` (ring attention's
     blocks) would keep what its own policy recomputes."""
     if name == "none":
-        return jax.checkpoint(fn, policy=_keep_all_but_selection, prevent_cse=False)
+        return jax.checkpoint(fn, policy=keep_all_but_selection, prevent_cse=False)
     return remat(fn, name)
 
 
