@@ -228,7 +228,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     if sizes["tensor"] > 1 and not par.megatron_sp:
         add("all-reduce", tp, block_ar, act, "Megatron block all-reduces")
         # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
-        add("all-reduce", tp, shared * (fwd_runs + bwd_runs) * moe_layers // m.n_layers, act, "shared experts' all-reduces")
+        add("all-reduce", tp, shared * (fwd_runs + bwd_runs) * moe_layers // m.n_layers, act,
+            "shared experts' all-reduces")
         add("all-reduce", tp, lk, head_rows * tl * d * param_bytes, "vocab-parallel lookup")
         add("all-reduce", tp, hk, head_grad, "loss input gradient")
         add("all-reduce", tp, 3 * hk, head_rows * tl * 4, "loss max / sum / target over the vocabulary")

@@ -355,14 +355,12 @@ class MoEConfig:
                                 range=ABOVE_ZERO)
     dropless: bool = _f(False, "Capacity = all tokens of the group: no token is ever dropped (capacity_factor unused "
                                "by the capacity dispatch).")
-    dispatch: str = _f("capacity", "How tokens reach their experts: capacity (slots of every expert, E x "
-                               "capacity rows, all-to-all over expert), sorted (dropless only: assignments "
-                               "sorted by expert and run as a grouped matmul, compute ~ top_k x tokens; over "
-                               "parallel.expert the rows move in all-to-all rounds of capacity_factor x the "
-                               "balanced share; every pipeline schedule), or auto (sorted when moe.dropless, else "
-                               "capacity: a dropless capacity dispatch computes every expert on every token, "
-                               "E/top_k x the expert flops, but at Mixtral 8x7B's size XLA:CPU's sorted program "
-                               "needs far more temporaries; see the README).", ("auto", "capacity", "sorted"))
+    dispatch: str = _f("auto", "How tokens reach their experts: capacity (slots of every expert, E x capacity "
+                           "rows, all-to-all over expert; dropless: every expert computes every token, E/top_k x "
+                           "the expert flops), sorted (dropless only: assignments sorted by expert and run as a "
+                           "grouped matmul, compute ~ top_k x tokens; over parallel.expert the rows move in "
+                           "all-to-all rounds of capacity_factor x the balanced share; every pipeline schedule), "
+                           "or auto (sorted when moe.dropless, else capacity).", ("auto", "capacity", "sorted"))
     first_dense: int = _f(0, "The first this many layers are dense MLPs of model.d_ff (DeepSeek-V3's "
                              "first_k_dense_replace: 3), the moe.every pattern applying to the rest; under a "
                              "pipeline they run with the embedding on the first stage.", range=NONNEGATIVE)

@@ -218,3 +218,64 @@ def run_script(script: str, devices: int, done: str, timeout: int = 900) -> str:
                        capture_output=True, text=True, env=env, timeout=timeout)
     assert p.returncode == 0 and done in p.stdout, p.stdout[-3000:] + p.stderr[-4000:]
     return p.stdout
+
+
+# -- Hugging Face parity (tests of the families against transformers) ----------------------------------------
+
+def randomize(model, scale: float = 0.2):
+    """Every parameter of a ``transformers`` model random (norm weights around 1), since its initialisation
+    leaves biases and norms at 0 and 1 and would hide a wrong mapping; returns the model in eval mode."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(float("norm" in n and n.endswith("weight")) + scale * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy ``generate``: the ``n`` tokens after each prompt (no stop token)."""
+    import torch
+
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def jaxpar_greedy(d, prompts: list[list[int]], n: int, vocab: int, *overrides: str) -> list[list[int]]:
+    """jaxpar's greedy generation from the Hugging Face directory ``d`` imported on one device."""
+    from jaxpar import hf
+    from jaxpar.generate import Sampling, for_trainer
+
+    t = trainer(load_config(None, [f"model.init_from=hf:{d}", "data.tokenizer=byte", *overrides]))
+    return for_trainer(t)(hf.load_params(t, d), prompts, n, Sampling(temperature=0.0), vocab=vocab)
+
+
+def with_config(tmp_path, d, change: dict, name: str = "bad") -> str:
+    """A ``model.init_from`` override naming a copy of ``d``'s ``config.json`` with ``change`` applied (a key
+    ``-k`` with value None removes ``k``)."""
+    import json
+
+    bad = tmp_path / name
+    bad.mkdir(exist_ok=True)
+    conf = json.loads((Path(d) / "config.json").read_text())
+    for k, v in change.items():
+        if v is None and k.startswith("-"):
+            conf.pop(k[1:], None)
+        else:
+            conf[k] = v
+    (bad / "config.json").write_text(json.dumps(conf))
+    return f"model.init_from=hf:{bad}"
+
+
+def assert_same_safetensors(a, b) -> None:
+    """Two model directories' ``model.safetensors``: the same names, dtypes and bits."""
+    from safetensors.numpy import load_file
+
+    x, y = load_file(str(Path(a) / "model.safetensors")), load_file(str(Path(b) / "model.safetensors"))
+    assert sorted(x) == sorted(y)
+    for n in x:
+        assert x[n].dtype == y[n].dtype and np.array_equal(x[n], y[n]), n

@@ -20,7 +20,7 @@ import pytest
 
 from jaxpar import hf
 from jaxpar.config import ConfigError, load_config
-from helpers import ce64, torch_logits
+from helpers import assert_same_safetensors, ce64, hf_greedy, jaxpar_greedy, randomize, torch_logits, with_config
 from helpers import trainer as Trainer
 
 torch = transformers = None
@@ -73,15 +73,12 @@ def build(name: str):
     libs()
     torch.manual_seed(len(name))
     conf = transformers.DeepseekV3Config(**BASE, **MODELS[name], experts_implementation="eager")
-    model = transformers.DeepseekV3ForCausalLM(conf)
+    model = randomize(transformers.DeepseekV3ForCausalLM(conf))
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            one = "norm" in n and n.endswith("weight")
-            p.copy_(float(one) + 0.2 * torch.randn_like(p))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
-    return model.eval()
+    return model
 
 
 def hf_dir(name: str, tmp_path_factory):
@@ -175,19 +172,8 @@ def test_greedy_generation_matches_transformers(tmp_path_factory, name):
     """Greedy tokens from the compressed cache equal transformers' greedy ``generate`` (its cache holds full
     keys and values), 20 tokens past prompts of 3 and 6."""
     d, model = hf_dir(name, tmp_path_factory)
-    prompts, n = [[5, 17, 33, 2, 250, 7], [9, 9, 100]], 20
-    ref = []
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-        ref.append(out[0, len(p):].tolist())
-    from jaxpar.generate import Sampling, for_trainer
-
-    cfg = load_config(None, [f"model.init_from=hf:{d}", "model.seq_len=32", f"train.batch_size={B}",
-                             "data.tokenizer=byte"])
-    trainer = Trainer(cfg)
-    got = for_trainer(trainer)(hf.load_params(trainer, d), prompts, n, Sampling(temperature=0.0), vocab=V)
-    assert got == ref
+    prompts = [[5, 17, 33, 2, 250, 7], [9, 9, 100]]
+    assert jaxpar_greedy(d, prompts, 20, V, "model.seq_len=32") == hf_greedy(model, prompts, 20)
 
 
 def test_compressed_cache_equals_full_attention_and_holds_the_latent_only(tmp_path_factory):
@@ -258,15 +244,10 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
     """An unmodified import (pipeline stages with the dense first layer on the first; experts over expert x
     tensor) exports the input's tensors bit for bit (RoPE columns interleaved again), its ``config.json`` is
     the same model, and after two training steps the export loads in transformers with jaxpar's logits."""
-    from safetensors.numpy import load_file
-
     d, _ = hf_dir(name, tmp_path_factory)
     trainer, params = importer(name, layout, tmp_path_factory)
     hf.export(trainer, params, tmp_path / "same")
-    orig, back = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "same" / "model.safetensors"))
-    assert sorted(orig) == sorted(back)
-    for n in orig:
-        assert orig[n].dtype == back[n].dtype and np.array_equal(orig[n], back[n]), n
+    assert_same_safetensors(d, tmp_path / "same")
     conf = json.loads((tmp_path / "same" / "config.json").read_text())
     assert conf["architectures"] == ["DeepseekV3ForCausalLM"] and conf["rope_interleave"] is True
     for have, want in zip(hf.config_keys(conf), hf.config_keys(json.loads((d / "config.json").read_text()))):
@@ -286,15 +267,6 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
     assert np.max(np.abs(got - torch_logits(model, seq))) < 1e-4
 
 
-def _with(tmp_path, d, change: dict) -> str:
-    bad = tmp_path / "bad"
-    bad.mkdir(exist_ok=True)
-    conf = json.loads((d / "config.json").read_text())
-    conf.update(change)
-    (bad / "config.json").write_text(json.dumps(conf))
-    return f"model.init_from=hf:{bad}"
-
-
 def test_what_jaxpar_cannot_express_is_one_error_naming_the_field(tmp_path_factory, tmp_path):
     """Attention biases, softmax scoring, another top-k method, MoE on every other layer, no MoE layer at
     all, KV heads that are not the heads: one ConfigError naming the field. MLA's keys without MLA, and MLA
@@ -307,7 +279,7 @@ def test_what_jaxpar_cannot_express_is_one_error_naming_the_field(tmp_path_facto
                           ({"first_k_dense_replace": 3}, "first_k_dense_replace=3"),
                           ({"num_key_value_heads": 2}, "num_key_value_heads=2")]:
         with pytest.raises(ConfigError, match=field) as e:
-            load_config(None, [_with(tmp_path, d, change)])
+            load_config(None, [with_config(tmp_path, d, change)])
         assert str(e.value).count("\n") == 0
     with pytest.raises(ConfigError, match="model.q_lora_rank=8 configures Multi-head Latent Attention"):
         load_config(None, ["model.style=llama", "model.q_lora_rank=8"])

@@ -4,8 +4,8 @@ a router with a logit bias, experts with biases and the clamped SwiGLU.
 
 References, all independent of jaxpar: transformers' forward (fp32 logits < 1e-4; on one device and on expert
 x data, expert x tensor, pipe x expert under 1F1B, the sinks' heads over tensor with the sequence over seq
-in each context-parallel strategy, and the sorted dispatch with the experts' biases), the float64 numpy cross-entropy of those logits (the training loss),
-transformers' router (experts and gates), transformers' greedy ``generate`` past the window, and the input
+in each context-parallel strategy, and the sorted dispatch with the experts' biases), the float64 numpy
+cross-entropy of those logits (the training loss), transformers' router (experts and gates), transformers' greedy ``generate`` past the window, and the input
 safetensors (an unmodified import exports bit-identically).
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from jaxpar import hf
 from jaxpar.config import ConfigError, load_config
-from helpers import ce64, torch_logits
+from helpers import assert_same_safetensors, ce64, hf_greedy, jaxpar_greedy, randomize, torch_logits, with_config
 from helpers import trainer as Trainer
 
 torch = transformers = None
@@ -59,12 +59,7 @@ def hf_dir(tmp_path_factory):
     if "dir" not in _state:
         libs()
         torch.manual_seed(3)
-        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                one = "norm" in n and n.endswith("weight")
-                p.copy_(float(one) + 0.3 * torch.randn_like(p))
-        model.eval()
+        model = randomize(transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)), 0.3)
         d = tmp_path_factory.mktemp("gpt_oss")
         model.save_pretrained(d)
         _state["dir"] = (d, model)
@@ -149,19 +144,8 @@ def test_greedy_generation_matches_transformers(tmp_path_factory):
     """Greedy tokens equal transformers' greedy ``generate``, 20 tokens past prompts of 3 and 6 (past the
     window of 5: the sliding layers' cache and the sinks in decode)."""
     d, model = hf_dir(tmp_path_factory)
-    prompts, n = [[5, 17, 33, 2, 250, 7], [9, 9, 100]], 20
-    ref = []
-    for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-        ref.append(out[0, len(p):].tolist())
-    from jaxpar.generate import Sampling, for_trainer
-
-    cfg = load_config(None, [f"model.init_from=hf:{d}", "model.seq_len=32", f"train.batch_size={B}",
-                             "data.tokenizer=byte"])
-    trainer = Trainer(cfg)
-    got = for_trainer(trainer)(hf.load_params(trainer, d), prompts, n, Sampling(temperature=0.0), vocab=V)
-    assert got == ref
+    prompts = [[5, 17, 33, 2, 250, 7], [9, 9, 100]]
+    assert jaxpar_greedy(d, prompts, 20, V, "model.seq_len=32") == hf_greedy(model, prompts, 20)
 
 
 @pytest.mark.parametrize("layout", ["pe", pytest.param("et", marks=SLOW)])
@@ -169,15 +153,10 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
     """An unmodified import exports the input's tensors bit for bit (gate and up interleaved again), its
     ``config.json`` is the same model, and after two training steps the export loads in transformers with
     jaxpar's logits."""
-    from safetensors.numpy import load_file
-
     d, _ = hf_dir(tmp_path_factory)
     trainer, params = importer(layout, tmp_path_factory)
     hf.export(trainer, params, tmp_path / "same")
-    orig, back = load_file(str(d / "model.safetensors")), load_file(str(tmp_path / "same" / "model.safetensors"))
-    assert sorted(orig) == sorted(back)
-    for n in orig:
-        assert orig[n].dtype == back[n].dtype and np.array_equal(orig[n], back[n]), n
+    assert_same_safetensors(d, tmp_path / "same")
     conf = json.loads((tmp_path / "same" / "config.json").read_text())
     assert conf["architectures"] == ["GptOssForCausalLM"]
     assert hf.config_keys(conf) == hf.config_keys(json.loads((d / "config.json").read_text()))
@@ -193,15 +172,6 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
     assert np.max(np.abs(got - torch_logits(model, seq))) < 1e-4
 
 
-def _with(tmp_path, d, change: dict) -> str:
-    bad = tmp_path / "bad"
-    bad.mkdir(exist_ok=True)
-    conf = json.loads((d / "config.json").read_text())
-    conf.update(change)
-    (bad / "config.json").write_text(json.dumps(conf))
-    return f"model.init_from=hf:{bad}"
-
-
 def test_what_jaxpar_cannot_express_is_one_error_naming_the_field(tmp_path_factory, tmp_path):
     """An MXFP4 checkpoint (refused, naming how to dequantise), a layer pattern no global_every gives, another
     activation: one ConfigError line naming the field. Sinks in a kernel that cannot take them are refused by
@@ -211,7 +181,7 @@ def test_what_jaxpar_cannot_express_is_one_error_naming_the_field(tmp_path_facto
                           ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types="),
                           ({"hidden_act": "gelu"}, "hidden_act='gelu'")]:
         with pytest.raises(ConfigError, match=field) as e:
-            load_config(None, [_with(tmp_path, d, change)])
+            load_config(None, [with_config(tmp_path, d, change)])
         assert str(e.value).count("\n") == 0
     from jaxpar.layers.attention_ops import attention
 
@@ -220,5 +190,5 @@ def test_what_jaxpar_cannot_express_is_one_error_naming_the_field(tmp_path_facto
         with pytest.raises(ConfigError, match="sinks"):
             attention(q, q, q, kernel, sinks=jnp.zeros(2))
     with pytest.raises(ConfigError, match="model.attn_sinks"):
-        load_config(None, ["model.style=llama", "model.attn_sinks=true", "model.kv_lora_rank=8", "model.rope_head_dim=8",
-                           "model.head_dim=24"])
+        load_config(None, ["model.style=llama", "model.attn_sinks=true", "model.kv_lora_rank=8",
+                           "model.rope_head_dim=8", "model.head_dim=24"])

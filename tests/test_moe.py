@@ -714,7 +714,7 @@ def test_auto_dispatch_is_sorted_when_dropless():
     """moe.dispatch=auto runs the sorted (grouped matmul) dispatch when dropless, the capacity one otherwise."""
     assert load_config(None, ["model.arch=moe", "moe.dispatch=auto", "moe.dropless=true"]).moe.dispatch_path() == "sorted"
     assert load_config(None, ["model.arch=moe", "moe.dispatch=auto"]).moe.dispatch_path() == "capacity"
-    assert load_config(None, ["model.arch=moe", "moe.dropless=true"]).moe.dispatch_path() == "capacity"  # the default
+    assert load_config(None, ["model.arch=moe", "moe.dropless=true"]).moe.dispatch_path() == "sorted"  # the default
 
 
 @pytest.mark.parametrize("norm", [True, False])
