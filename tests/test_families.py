@@ -18,7 +18,7 @@ import pytest
 
 from jaxpar import hf
 from jaxpar.config import ConfigError, load_config
-from helpers import assert_trees_close, ce64, torch_logits
+from helpers import assert_trees_close, ce64, torch_logits, with_config
 from helpers import trainer as Trainer
 
 torch = transformers = None
@@ -199,19 +199,6 @@ def test_export_is_bit_identical_and_trained_export_loads(tmp_path_factory, tmp_
     assert np.max(np.abs(got - torch_logits(model, seq))) < 1e-4
 
 
-def _with(tmp_path, d, name: str, change: dict) -> str:
-    bad = tmp_path / name
-    bad.mkdir()
-    conf = json.loads((d / "config.json").read_text())
-    for k, v in change.items():
-        if v is None and k.startswith("-"):
-            conf.pop(k[1:], None)
-        else:
-            conf[k] = v
-    (bad / "config.json").write_text(json.dumps(conf))
-    return f"model.init_from=hf:{bad}"
-
-
 @pytest.mark.parametrize("family,change,field", [
     ("llama3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 4.0}},
      "rope_parameters.rope_type='dynamic'"),
@@ -234,7 +221,7 @@ def _with(tmp_path, d, name: str, change: dict) -> str:
 def test_unsupported_fields_are_one_error_naming_them(tmp_path_factory, tmp_path, family, change, field):
     d, _ = hf_dir(family, tmp_path_factory)
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace(".", r"\.").replace("(", r"\(")):
-        load_config(None, [_with(tmp_path, d, "bad", change)])
+        load_config(None, [with_config(tmp_path, d, change)])
 
 
 def test_switches_that_no_family_has_refuse_to_export():
