@@ -170,12 +170,16 @@ def _rope_columns(p: int, inverse: bool = False) -> np.ndarray:
     return np.argsort(order) if inverse else order
 
 
+def _latent_columns(m: ModelConfig, rope: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The query head's and the KV down projection's output columns with their RoPE part in ``rope`` order."""
+    hd, r, p = m.head_dim, m.kv_lora_rank, m.rope_head_dim
+    return np.concatenate([np.arange(hd - p), hd - p + rope]), np.concatenate([np.arange(r), r + rope])
+
+
 def _latent_to_jaxpar(m: ModelConfig, interleaved: bool) -> dict[tuple, Callable]:
     """MLA's projections (:class:`~jaxpar.layers.latent_attention.LatentAttention`) from DeepSeek's names."""
     d, h, hd, r, p, v = m.d_model, m.n_heads, m.head_dim, m.kv_lora_rank, m.rope_head_dim, m.v_head_dim
-    rope = _rope_columns(p) if interleaved else np.arange(p)
-    q_cols = np.concatenate([np.arange(hd - p), hd - p + rope])
-    kv_cols = np.concatenate([np.arange(r), r + rope])
+    q_cols, kv_cols = _latent_columns(m, _rope_columns(p) if interleaved else np.arange(p))
     out: dict[tuple, Callable] = {
         ("attn", "kv_down", "kernel"): lambda t: t("self_attn.kv_a_proj_with_mqa.weight").T[:, kv_cols],
         ("attn", "kv_norm", "scale"): lambda t: t("self_attn.kv_a_layernorm.weight"),
@@ -193,10 +197,8 @@ def _latent_to_jaxpar(m: ModelConfig, interleaved: bool) -> dict[tuple, Callable
 
 def _latent_to_hf(m: ModelConfig) -> dict[str, Callable]:
     """MLA's projections under DeepSeek's names, its RoPE columns interleaved again (``rope_interleave``)."""
-    d, h, hd, r, p, v = m.d_model, m.n_heads, m.head_dim, m.kv_lora_rank, m.rope_head_dim, m.v_head_dim
-    rope = _rope_columns(p, inverse=True)
-    q_cols = np.concatenate([np.arange(hd - p), hd - p + rope])
-    kv_cols = np.concatenate([np.arange(r), r + rope])
+    d, h, r, p, v = m.d_model, m.n_heads, m.kv_lora_rank, m.rope_head_dim, m.v_head_dim
+    q_cols, kv_cols = _latent_columns(m, _rope_columns(p, inverse=True))
     q_up = ("attn", "q_up", "kernel")
     out: dict[str, Callable] = {
         "self_attn.kv_a_proj_with_mqa.weight": lambda a: a(("attn", "kv_down", "kernel"))[:, kv_cols].T,

@@ -532,7 +532,7 @@ MUTANTS = [
       ["tests/test_documents.py::test_validation_loss_is_the_mean_over_trained_tokens"]),
     # the latest families' switches (tests/test_deepseek.py, tests/test_gpt_oss.py: against transformers)
     M("sw-mla-rope-pairs-not-permuted", "model-switches", "jaxpar/hf.py",
-      "rope = _rope_columns(p) if interleaved else np.arange(p)", "rope = np.arange(p)",
+      "_latent_columns(m, _rope_columns(p) if interleaved else np.arange(p))", "_latent_columns(m, np.arange(p))",
       ["tests/test_deepseek.py::test_import_matches_transformers[v3-1]"]),
     M("sw-mla-shared-key-unrotated", "model-switches", "jaxpar/layers/latent_attention.py",
       "return c, self._rope(ckv[..., None, self.kv_rank:], positions)[:, :, 0]", "return c, ckv[..., self.kv_rank:]",
@@ -552,7 +552,8 @@ MUTANTS = [
       "sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axis) * n, n)", "sinks = sinks[:n]",
       ["tests/test_gpt_oss.py::test_import_matches_transformers[ulysses]"]),
     M("sw-sink-left-out-of-decode", "model-switches", "jaxpar/layers/attention.py",
-      "if self.sinks is not None:  # the sink's logit", "if False:  # the sink's logit",
+      "sinks = None if self.sinks is None else self.sinks[...]  # the sink's logit",
+      "sinks = None  # the sink's logit",
       ["tests/test_gpt_oss.py::test_greedy_generation_matches_transformers"]),
     M("sw-clamp-up-one-sided", "model-switches", "jaxpar/layers/mlp.py",
       "up = jnp.clip(h[..., 1, :].astype(jnp.float32), -c.limit, c.limit)",

@@ -54,6 +54,11 @@ def rope_keys(rope: dict, where: str, field: str, theta_default: float = 10000.0
     return keys
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's ``mscale``: ``0.1 m ln(scale) + 1`` (1 for a scale <= 1), as transformers computes it."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn_keys(rope: dict, where: str, field: str, max_positions: int | None) -> dict[str, Any]:
     """YaRN's keys, resolved as transformers' ``_compute_yarn_parameters`` does."""
     if rope.get("truncate", True) not in (True, False):
@@ -65,11 +70,8 @@ def _yarn_keys(rope: dict, where: str, field: str, max_positions: int | None) ->
     factor = rope.get("factor") or (max_positions or original) / original
     attention = rope.get("attention_factor")
     if attention is None:
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
         ms, ms_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
+        attention = yarn_mscale(factor, ms) / yarn_mscale(factor, ms_all) if ms and ms_all else yarn_mscale(factor)
     return {"model.rope_factor": float(factor), "model.rope_original_context": int(original),
             "model.rope_truncate": bool(rope.get("truncate", True)),
             "model.rope_beta_fast": float(rope.get("beta_fast") or 32), "model.rope_beta_slow":

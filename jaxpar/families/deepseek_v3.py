@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from jaxpar.errors import ConfigError
-from jaxpar.families.common import MOE_PLAIN, decoder_config, decoder_keys, require, rope_of
+from jaxpar.families.common import MOE_PLAIN, decoder_config, decoder_keys, require, rope_of, yarn_mscale
 
 MODEL_TYPE, CLASS = "deepseek_v3", "DeepseekV3ForCausalLM"
 
@@ -34,10 +34,6 @@ MODEL_TYPE, CLASS = "deepseek_v3", "DeepseekV3ForCausalLM"
 MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
 SHARED = "mlp.shared_experts"                    # the always-on experts, one MLP (gate_proj, up_proj, down_proj)
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"  # the selection-only bias
-
-
-def _mscale(scale: float, m: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 def attn_scale(hf: dict, qk_head_dim: int) -> float:
@@ -48,7 +44,7 @@ def attn_scale(hf: dict, qk_head_dim: int) -> float:
     m_all = rope.get("mscale_all_dim") or 0
     if kind == "default" or not m_all:
         return 0.0
-    m = _mscale(float(rope["factor"]), float(m_all))
+    m = yarn_mscale(float(rope["factor"]), float(m_all))
     return qk_head_dim ** -0.5 * m * m
 
 

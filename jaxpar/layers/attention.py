@@ -201,12 +201,7 @@ class Attention(nnx.Module):
         scores = f32_einsum("btkgd,bskd->bkgts", qg, cache["k"].astype(q.dtype)) * scale
         visible = attention_ops.in_window(positions[:, None, None, :, None], jnp.arange(s)[None, None, None, None, :],
                                           window)
-        scores = jnp.where(visible, scores, attention_ops.NEG)
-        if self.sinks is not None:  # the sink's logit beside the cached keys' (its share goes to no value)
-            sink = self.sinks[...].astype(jnp.float32).reshape(1, kv, h // kv, 1, 1)
-            scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1)
-            p = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(q.dtype)
-        else:
-            p = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        sinks = None if self.sinks is None else self.sinks[...]  # the sink's logit beside the cached keys'
+        p = attention_ops.softmax_with_sinks(jnp.where(visible, scores, attention_ops.NEG), sinks).astype(q.dtype)
         out = f32_einsum("bkgts,bskd->btkgd", p, cache["v"].astype(q.dtype))
         return self.o(out.reshape(b, t, h, d).astype(q.dtype)), cache

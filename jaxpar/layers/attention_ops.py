@@ -131,6 +131,16 @@ def in_window(q_pos, k_pos, window=None):
     return ok & ((window <= 0) | (q_pos - k_pos < window))
 
 
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """The softmax over the keys of ``scores [B, KV, G, T, S]`` (float32), with a sink logit per head (``sinks
+    [KV * G]``, GPT-OSS) beside the keys when given: its share of the weight goes to no value."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    kv, g = scores.shape[1:3]
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1, 1), (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array | None = None,
                      k_pos: jax.Array | None = None, q_offset=0, *, scale=None, window=None, q_seg=None,
                      k_seg=None, sinks=None) -> jax.Array:
@@ -148,11 +158,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array 
     qg = q.reshape(b, t, kv, h // kv, d)
     scores = f32_einsum("btkgd,bskd->bkgts", qg, k) * np.float32(_scale(scale, d))
     scores = jnp.where(_heads(_mask(t, s, q_offset, q_pos, k_pos, window, q_seg, k_seg)), scores, NEG)
-    if sinks is not None:
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1), (*scores.shape[:-1], 1))
-        p = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
-    else:
-        p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    p = softmax_with_sinks(scores, sinks).astype(v.dtype)
     out = f32_einsum("bkgts,bskd->btkgd", p, v)
     return out.reshape(b, t, h, v.shape[-1]).astype(q.dtype)
 

@@ -244,8 +244,9 @@ class MoE(nnx.Module):
         self.w_in = param(w_in, self.in_axes)
         self.w_out = param(out_init(rngs.params(), (n_experts, d_ff, d_model), param_dtype), self.out_axes)
         self.router_logit_bias = param(jnp.zeros((n_experts,), param_dtype), ("router",)) if logit_bias else None
-        b_in_axes = (self.in_axes[0], *self.in_axes[2:])
-        self.b_in = param(jnp.zeros(w_in.shape[:1] + w_in.shape[2:], param_dtype), b_in_axes) if expert_bias else None
+        self.b_in_axes = (self.in_axes[0], *self.in_axes[2:])  # (experts, [fused,] mlp): w_in's but expert_embed
+        self.b_in = (param(jnp.zeros(w_in.shape[:1] + w_in.shape[2:], param_dtype), self.b_in_axes)
+                     if expert_bias else None)
         self.b_out = (param(jnp.zeros((n_experts, d_model), param_dtype), ("router", "expert_embed"))
                       if expert_bias else None)
 
@@ -284,8 +285,8 @@ class MoE(nnx.Module):
         if not manual:
             return self._local(x, *weights, ax=ax)
         x_spec = P(_entry(batch), _entry(length + sp))  # Megatron-SP: sequence-split over tensor too
-        names = (("embed", "router"), self.in_axes, self.out_axes, ("router",), ("router",),
-                 (self.in_axes[0], *self.in_axes[2:]), ("router", "expert_embed"))
+        names = (("embed", "router"), self.in_axes, self.out_axes, ("router",), ("router",), self.b_in_axes,
+                 ("router", "expert_embed"))
         w_specs = tuple(None if w is None else rules.compute.spec(n, w.shape, "MoE weight")
                         for n, w in zip(names, weights))
         stats_spec = {k: P() for k in ("aux_loss", "z_loss", "drop_fraction", "expert_load")}
