@@ -119,11 +119,27 @@ def leaves_of(trainer) -> list[Leaf]:
 
     out = []
     rules = trainer.rules
-    for a, names in zip(jax.tree.leaves(trainer.adapter.abstract),
+    for a, names in zip(jax.tree.leaves(trainer.stored_shapes(trainer.adapter.abstract)),
                         jax.tree.leaves(trainer.adapter.axes, is_leaf=lambda x: isinstance(x, tuple))):
         params, opt, compute = (r.spec(names, a.shape) for r in (rules.params, rules.opt, rules.compute))
         out.append(Leaf(tuple(a.shape), tuple(names), params, opt, compute, stage=bool(names) and names[0] == "layers"))
     return out
+
+
+def stage_layers(cfg, sizes: dict) -> int:
+    """The layers one pipeline group (a stage's chunk) runs per iteration: L / (S R), or with uneven stages
+    (``parallel.stage_layers``, a layer count the stages do not divide) the longest group's slots: every
+    stage runs as many (:func:`jaxpar.partitioning.layer_groups`)."""
+    from jaxpar.partitioning import layer_groups
+
+    m, par = cfg.model, cfg.parallel
+    s_, r_ = sizes["pipe"], par.pipeline_repeats
+    moe = m.arch == "moe"
+    stacked, every = (cfg.moe.groups(m.n_layers), cfg.moe.every) if moe else (m.n_layers, 1)
+    counts = layer_groups(stacked, s_, r_, par.stage_layer_list()) if s_ > 1 else (stacked,)
+    if len(set(counts)) == 1:
+        return m.n_layers // (s_ * r_)
+    return max(counts) * every
 
 
 def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
@@ -142,7 +158,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     iters = mb_ * r_ + s_ - 1 if pipelined else 1
     # a layer runs `layer_runs` times per step on `layer_rows` sequences
     layer_rows = rows // mb_ if pipelined else rows
-    layer_runs = k * (iters * m.n_layers // (s_ * r_) if pipelined else m.n_layers)
+    lpg = stage_layers(cfg, sizes)  # the layers of one pipeline group (a chunk of a stage)
+    layer_runs = k * (iters * lpg if pipelined else m.n_layers)
     head_rows = rows  # the embedding and head: on the whole batch (on every stage, inside a pipeline)
     remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
@@ -150,8 +167,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # 1F1B: iterations, and those of the steady loop (a backward each); interleaved (R > 1) each runs a chunk
     f1b_iters, f1b_steady = mb_ * r_ + r_ * s_ + s_ - 2, mb_ * r_ + s_ - 1
     if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the chunk for its backward
-        bwd_runs = k * f1b_steady * (m.n_layers // (s_ * r_))
-        fwd_runs = k * f1b_iters * (m.n_layers // (s_ * r_)) + bwd_runs
+        bwd_runs = k * f1b_steady * lpg
+        fwd_runs = k * f1b_iters * lpg + bwd_runs
     redo_runs = bwd_runs if remat != "none" else 0
     # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
     # (the loss in each steady iteration, the lookup in each forward)
@@ -220,7 +237,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
     recompute_ar = int("out_proj" not in kept)
     block_ar = 2 * fwd_runs + 2 * bwd_runs + recompute_ar * redo_runs  # attention-out and MLP-down, and transposes
-    if f1b and m.n_layers == s_ * r_:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
+    if f1b and lpg == 1:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
         block_ar -= k * f1b_steady  # the chunk's output, is unused by the backward and XLA drops its all-reduce
     moe_layers = cfg.moe.groups(m.n_layers) if m.arch == "moe" else 0
     shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts

@@ -91,6 +91,11 @@ class ParallelConfig:
                                          "of at most 2*pipe - 1 microbatches per stage, not all M; interleaved with "
                                          "pipeline_repeats > 1, M a multiple of pipe).",
                                 ("gpipe", "1f1b"))
+    stage_layers: str = _f("", "Uneven pipeline stages: comma-separated layers of each stage in layer order (with "
+                               "pipeline_repeats > 1, of each of the pipe x pipeline_repeats groups; a MoE model "
+                               "counts its stacked groups), e.g. 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7. Empty = even, or "
+                               "when the layers do not divide, one fewer on the first and last stages, then the "
+                               "second and second-to-last... Every stage runs the longest stage's layer slots.")
     zero: int = _f(0, "ZeRO stage over the axes that split the batch (data, expert, seq): 0 replicated, 1 optimizer "
                       "state sharded, 3 parameters too (FSDP).",
                    (0, 1, 3))
@@ -100,6 +105,14 @@ class ParallelConfig:
                                         range=FRACTION)
     cpu_devices: int = _f(0, "Simulated XLA CPU devices per process when no accelerator is present; 0 = the mesh "
                              "size divided by the number of processes.", range=NONNEGATIVE)
+
+    def stage_layer_list(self) -> tuple[int, ...]:
+        """``stage_layers`` as integers (empty: not given)."""
+        try:
+            return tuple(int(x) for x in self.stage_layers.split(",") if x.strip())
+        except ValueError:
+            raise ConfigError(f"parallel.stage_layers={self.stage_layers!r}: expected comma-separated layer counts, "
+                              "e.g. 7,8,8,7") from None
 
 
 @dataclass
@@ -691,6 +704,10 @@ def validate(cfg: Config) -> None:
                "parallel.pipeline_repeats" if par.pipeline_repeats != 1 else "parallel.pipeline_schedule")
         raise ConfigError(f"{key}={getattr(par, key.split('.')[1])} has no effect with parallel.pipe=1 (it "
                           "configures the pipeline); remove it or set parallel.pipe > 1")
+    if par.stage_layers and par.pipe == 1:
+        raise ConfigError(f"parallel.stage_layers={par.stage_layers} has no effect with parallel.pipe=1 (it splits "
+                          "the layers over pipeline stages); remove it or set parallel.pipe > 1")
+    par.stage_layer_list()  # parses
     if (par.pipeline_schedule == "1f1b" and par.pipeline_repeats > 1 and par.pipe > 1
             and (par.microbatches or par.pipe) % par.pipe):
         raise ConfigError(f"parallel.pipeline_schedule=1f1b with parallel.pipeline_repeats={par.pipeline_repeats} "

@@ -250,15 +250,17 @@ class Generator:
 
     ``Generator(model_of, mesh=None, batch_axes=(), chunk=128)``: ``model_of(params)`` builds the ``nnx``
     model (e.g. ``trainer.adapter.model``); ``mesh`` / ``batch_axes``: where the prompts and the cache are
-    split (the cache's kv-heads dim over ``tensor`` when the mesh has one); ``chunk``: decode steps per
+    split (the cache's kv-heads dim over ``tensor`` when the mesh has one); ``prepare(params)``: run once per
+    request before anything else (:func:`for_trainer`: the layers in layer order); ``chunk``: decode steps per
     compiled call (between calls the host reads the new tokens, reports progress and may stop: a long
     generation is several calls; the tokens are the same for any chunk). Call :meth:`__call__`.
     """
 
-    def __init__(self, model_of, *, mesh=None, batch_axes: tuple = (), chunk: int = 128):
+    def __init__(self, model_of, *, mesh=None, batch_axes: tuple = (), chunk: int = 128, prepare=None):
         if not isinstance(chunk, (int, np.integer)) or chunk < 1:
             raise ConfigError(f"chunk={chunk!r}: give decode steps per call >= 1")
         self.model_of, self.mesh, self.batch_axes, self.chunk = model_of, mesh, tuple(batch_axes), int(chunk)
+        self.prepare = prepare
         self._fns: dict = {}
 
     def _split(self, rows: int) -> tuple:
@@ -369,6 +371,8 @@ class Generator:
         ``vocab`` ids (default ``model.vocab_size``); a row that hit a stop token is cut after it. The request
         is checked first (:meth:`check`). ``progress(done, total)``, if given, is called after each compiled
         call with the decode steps done so far (tokens per row) and ``n_tokens``."""
+        if self.prepare is not None:  # once per request (e.g. a trainer's storage order -> layer order)
+            params = self.prepare(params)
         cfg = self.model_of(params).cfg
         vocab = cfg.vocab_size if vocab is None else vocab
         self.check(params, prompts, n_tokens, vocab)
@@ -424,7 +428,8 @@ class Generator:
 def for_trainer(trainer) -> Generator:
     """The :class:`Generator` of a :class:`~jaxpar.trainer.Trainer`'s model on its mesh (prompts over
     ``data`` x ``expert``)."""
-    return Generator(trainer.adapter.model, mesh=trainer.mesh, batch_axes=("data", "expert"))
+    return Generator(trainer.adapter.model, mesh=trainer.mesh, batch_axes=("data", "expert"),
+                     prepare=trainer.params_in_layer_order)
 
 
 def generate_text(trainer, params, tokenizer, prompt: str, n_tokens: int, sampling: Sampling, rows: int = 1,

@@ -69,6 +69,7 @@ from jaxpar.hf_files import (INDEX, SINGLE, ExportError, Safetensors, Target, pr
                              special_tokens, target, write)
 from jaxpar.trainer import _get as _at
 from jaxpar.trainer import _nest
+from jaxpar.layers.stack import layer_positions
 
 # tensors some checkpoints carry that are buffers, not weights (causal masks, RoPE tables)
 _BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -522,6 +523,7 @@ def load_params(trainer, d: str | Path) -> dict:
         ("head", "kernel"): lambda: _pad(files("lm_head.weight").T, vp, 1),
     }
     shardings = trainer.state_shardings["params"]
+    stored = trainer.stored_shapes(trainer.adapter.abstract)  # uneven stages: the stacked layers padded
 
     def entry(fn: Callable, layers: Callable[[int], int | list[int]]) -> Callable[[int], np.ndarray]:
         """Stacked entry g's parameter: its layer's, or its layers' stacked (a MoE group's dense ones)."""
@@ -535,7 +537,7 @@ def load_params(trainer, d: str | Path) -> dict:
 
     out = []
     for path in trainer.adapter.paths:
-        a = _at(trainer.adapter.abstract, path)
+        a = _at(stored, path)
         prefix = next((p for p in stacks if path[: len(p)] == p), None)
         if prefix is None:
             out.append((path, _place(a, _at(shardings, path), top[path], None)))
@@ -548,8 +550,9 @@ def load_params(trainer, d: str | Path) -> dict:
 
 def _place(a, sharding, build, order):
     """One parameter as a global array; the callback builds the stacked entries of a device's shard
-    (``build(g)``: layer g, or a MoE model's group g; ``build()``: an unstacked parameter), once per
-    distinct slice, and cuts the device's slice out of them."""
+    (``build(g)``: layer g, or a MoE model's group g; ``build()``: an unstacked parameter; ``order`` the
+    entry at each stored position, -1 for uneven stages' padding, zeros), once per distinct slice, and
+    cuts the device's slice out of them."""
     import jax
 
     cache: dict = {}
@@ -558,7 +561,8 @@ def _place(a, sharding, build, order):
         key = None if order is None else tuple(int(i) for i in order[index[0]])
         if key not in cache:
             cache.clear()
-            full = build() if key is None else np.stack([build(g) for g in key])
+            full = build() if key is None else np.stack([build(g) if g >= 0 else np.zeros(a.shape[1:], a.dtype)
+                                                         for g in key])
             cache[key] = np.asarray(full).astype(a.dtype)
         return cache[key][index if key is None else (slice(None),) + tuple(index[1:])]
 
@@ -583,7 +587,7 @@ def hf_tensors(trainer, params: dict):
     cfg = trainer.cfg
     hf = hf_config(cfg)
     arch, m = hf["model_type"], cfg.model.resolved()
-    inverse = np.argsort(trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == "moe" else m.n_layers))
+    inverse = layer_positions(trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == "moe" else m.n_layers))
     host = {p: _host(_at(params, p)) for p in trainer.adapter.paths}
     host = {p: a[inverse] if p[0] == "blocks" else a for p, a in host.items()}
     v = m.vocab_size
@@ -729,7 +733,7 @@ def open_run(run: str | Path, overrides: list[str]) -> tuple:
     trainer = Trainer(cfg)
     now = cfg.to_dict()
     del now["model"]["init_from"]  # (cleared above on purpose: not a change a refusal should name)
-    state = trainer.state_from_layer_order(ckpt.restore(steps[-1], trainer.abstract_state, now)[0])
+    state = trainer.state_from_layer_order(ckpt.restore(steps[-1], trainer.abstract_layer_state, now)[0])
     ckpt.close()
     return trainer, state["params"], steps[-1], make_source(cfg, trainer.local_rows(), lambda *_: None).tokenizer
 

@@ -196,6 +196,40 @@ ZERO_AXES = ("data", "expert", "seq")
 EXPERT_ZERO_AXES = ("data", "seq")  # expert weights: their experts dim is already split over expert
 
 
+def layer_groups(n_layers: int, stages: int, repeats: int = 1, counts=(), moe: bool = False) -> tuple[int, ...]:
+    """The layers of each of the S R groups of a pipelined stack, in layer order (group g is chunk
+    g // S of stage g mod S; with R = 1, stage g's layers): ``counts`` when given (``parallel.stage_layers``),
+    else L / (S R) each, or, when that does not divide, ceil(L / (S R)) each but one fewer on as many
+    groups as needed, taken from the ends inwards (the first, the last, the second, ...: Llama 3 405B's
+    126 layers on 16 stages are 7 + 14 x 8 + 7). A stage of fewer layers still runs max(counts) layer
+    slots (the padding computes on zeros and is discarded: every stage runs the same program), so
+    uneven stages make a layer count expressible, not a short stage faster. (``moe``: say that the layers
+    are a MoE model's groups, in errors.)"""
+    g = stages * repeats
+    stacked = " (a MoE model: groups of moe.every layers)" if moe else ""
+    what = f"parallel.pipe x parallel.pipeline_repeats = {g} layer groups" if repeats > 1 else \
+        f"parallel.pipe = {g} stages"
+    if counts:
+        counts = tuple(int(c) for c in counts)
+        if len(counts) != g or min(counts) < 1 or sum(counts) != n_layers:
+            raise ConfigError(f"parallel.stage_layers={','.join(map(str, counts))}: give one count >= 1 per group of "
+                              f"{what} (in layer order), summing to the {n_layers} stacked layers")
+        return counts
+    if n_layers < g:
+        raise ConfigError(f"the model stacks {n_layers} layers{stacked}: fewer than the {what}; use a smaller pipeline")
+    lg, short = -(-n_layers // g), -n_layers % g
+    out = [lg] * g
+    for i in range(short):
+        out[i // 2 if i % 2 == 0 else g - 1 - i // 2] -= 1
+    return tuple(out)
+
+
+def stack_slots(n_layers: int, stages: int, repeats: int = 1, counts=()) -> int:
+    """The stored length of a stack of ``n_layers`` pipelined over ``stages`` x ``repeats`` groups: S R
+    max(:func:`layer_groups`), the uneven stages' groups padded to the longest; ``n_layers`` without a pipeline."""
+    return n_layers if stages == 1 else stages * repeats * max(layer_groups(n_layers, stages, repeats, counts))
+
+
 def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, int], every: int = 1,
                      first_dense: int = 0) -> None:
     """Divisibility of the model by the mesh, with errors naming config keys (``every``, ``first_dense``: a MoE
@@ -229,15 +263,8 @@ def check_model_fits(model: ModelConfig, par: ParallelConfig, sizes: dict[str, i
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     if s_ > 1:
         groups = (m.n_layers - first_dense) // every  # a MoE model stacks groups of moe.every layers
-        if every == 1 and not first_dense and m.n_layers % (s_ * r_):
-            raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by parallel.pipe x "
-                              f"parallel.pipeline_repeats = {s_ * r_} (stages x layer groups per stage)")
-        if groups % (s_ * r_):
-            dense = f" after the moe.first_dense={first_dense} dense ones (with the embedding)" if first_dense else ""
-            raise ConfigError(f"model.n_layers={m.n_layers}: its {m.n_layers - first_dense} layers{dense} / moe.every="
-                              f"{every} = {groups} stacked layer groups is not divisible by parallel.pipe x "
-                              f"parallel.pipeline_repeats = {s_ * r_}; change moe.every, model.n_layers or the "
-                              "pipeline")
+        # uneven stages are padded; too few layers refused
+        layer_groups(groups, s_, r_, par.stage_layer_list(), moe=every > 1 or first_dense > 0)
         mb = par.microbatches or s_
         if mb < s_:
             raise ConfigError(f"parallel.microbatches={mb} is fewer than the {s_} pipeline stages (parallel.pipe); "

@@ -187,7 +187,7 @@ class Planner:
 
         from jaxpar import comm, flops
         from jaxpar.layers.precision import compute_dtype
-        from jaxpar.partitioning import make_rules
+        from jaxpar.partitioning import make_rules, stack_slots
 
         cfg = self.config(overrides)
         par, m = cfg.parallel, cfg.model.resolved()
@@ -195,6 +195,9 @@ class Planner:
         self.check(cfg, sizes)
         rules = make_rules(par, SimpleNamespace(shape=sizes))  # type: ignore[arg-type]  # only .shape is read
         shapes, names = self._model(cfg, sizes["tensor"])
+        s_, r_ = sizes["pipe"], par.pipeline_repeats  # the stacked layers as stored: uneven stages padded
+        shapes = [SimpleNamespace(shape=(stack_slots(a.shape[0], s_, r_, par.stage_layer_list()), *a.shape[1:]))
+                  if nm and nm[0] == "layers" else a for a, nm in zip(shapes, names)]
         leaves = [comm.Leaf(tuple(a.shape), tuple(nm), rules.params.spec(nm, a.shape), rules.opt.spec(nm, a.shape),
                              rules.compute.spec(nm, a.shape), stage=bool(nm) and nm[0] == "layers")
                   for a, nm in zip(shapes, names)]
@@ -252,6 +255,8 @@ class Planner:
         """(activations, the loss chunk's logits, the bytes of the two that are never live together)."""
         import jax.numpy as jnp
 
+        from jaxpar import comm
+
         from jaxpar.layers.attention_ops import choose
         from jaxpar.layers.remat import KEPT
 
@@ -286,7 +291,7 @@ class Planner:
         named = {"qkv_proj": (h + 2 * kv) * hd / t, "attention": h * hd / t, "mlp_up": up / t}
         stored = kept if m.remat == "none" else d + sum(named.get(x, 0.0) for x in KEPT.get(m.remat, ()))
         s_ = sizes["pipe"]
-        layers = m.n_layers // s_
+        layers = comm.stage_layers(cfg, sizes) * par.pipeline_repeats  # a stage's layer slots
         # a pipeline stage runs each of its layers (M R + S - 1) / R times (bubble iterations included)
         mr = (par.microbatches or s_) * par.pipeline_repeats
         held = tokens * (mr + s_ - 1) / mr if s_ > 1 else tokens

@@ -171,7 +171,7 @@ def open_checkpoints(cfg: Config, log, start_up: _StartUp | None = None) -> tupl
 
 def restore_state(cfg: Config, trainer: Trainer, ckpt: Checkpointer, step: int, source, log) -> dict:
     """The train state of checkpoint ``step`` on this run's mesh, and the data source moved to its position."""
-    state, data_state, meta = ckpt.restore(step, trainer.abstract_state, cfg.to_dict())
+    state, data_state, meta = ckpt.restore(step, trainer.abstract_layer_state, cfg.to_dict())
     state = trainer.state_from_layer_order(state)
     if int(state["step"]) != step:
         raise CheckpointError(f"checkpoint {ckpt.path(step)} holds step {int(state['step'])}, not {step}; it was "

@@ -17,6 +17,7 @@ the step (gradient accumulation, loss weights, fault handling), compilation and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -36,7 +37,8 @@ from jaxpar.layers.precision import compute_dtype
 from jaxpar.layers.remat import check_supported as check_remat
 from jaxpar.mesh import make_mesh
 from jaxpar.optim import lr_schedule, make_optimizer
-from jaxpar.partitioning import check_batch_fits, check_model_fits, make_rules, use_rules
+from jaxpar.partitioning import (check_batch_fits, check_model_fits, layer_groups, make_rules, stack_slots,
+                                 use_rules)
 
 BATCH_KEYS = ("inputs", "targets")
 
@@ -44,6 +46,16 @@ BATCH_KEYS = ("inputs", "targets")
 def batch_dtype(key: str):
     """A batch field's dtype: float32 loss weights, int32 ids otherwise."""
     return jnp.float32 if key == "weights" else jnp.int32
+
+
+def _axes_of(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _without(entry, axis: str):
+    rest = tuple(a for a in _axes_of(entry) if a != axis)
+    return None if not rest else rest[0] if len(rest) == 1 else rest
 
 
 def _get(tree: dict, path: tuple):
@@ -111,14 +123,18 @@ class Trainer:
         check_remat(cfg.model.remat, self.mesh.devices.flat[0])
         check_model_fits(cfg.model, cfg.parallel, self.sizes, *cfg.moe.stacking(cfg.model.arch))
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, self.sizes, cfg.parallel.microbatches)
-        self.rules = make_rules(cfg.parallel, self.mesh)
         if build_model is None:
             from jaxpar.models import build_model as default_build
 
             build_model = default_build
         tensor, seed = self.sizes["tensor"], cfg.train.seed
         self.adapter = ModelAdapter(lambda: build_model(cfg, tensor=tensor, seed=seed))
-        axes, abstract = self.adapter.axes, self.adapter.abstract
+        self.groups = self._layer_groups()
+        # the rules carry the resolved uneven stages (parallel.stage_layers), which the model's Stack reads
+        self.rules = make_rules(dataclasses.replace(cfg.parallel, stage_layers=",".join(map(str, self.groups or ()))),
+                                self.mesh)
+        axes = self.adapter.axes
+        abstract = self.stored_shapes(self.adapter.abstract)  # the stacked layers padded for uneven stages
 
         def specs(rules):
             return jax.tree.map(lambda a, ax: rules.spec(ax, a.shape, f"parameter with dims {ax}"), abstract, axes)
@@ -145,6 +161,14 @@ class Trainer:
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": abstract, "opt": opt_abstract,
+             "skipped": jax.ShapeDtypeStruct((), jnp.int32)},
+            self.state_shardings)
+        # the state as checkpoints hold it (layers in layer order, no padding): abstract_state unless the
+        # stages are uneven, whose unpadded layer dims cannot split over pipe (_layer_order_sharding)
+        self.abstract_layer_state = self.abstract_state if self.groups is None else jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._layer_order_sharding(s, a.shape)),
+            {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": self.adapter.abstract,
+             "opt": jax.eval_shape(self.tx.init, self.adapter.abstract),
              "skipped": jax.ShapeDtypeStruct((), jnp.int32)},
             self.state_shardings)
         self._check_replication()
@@ -224,59 +248,123 @@ class Trainer:
             return jax.jit(lambda: init(None), out_shardings=self.state_shardings)()
         return jax.jit(init, out_shardings=self.state_shardings)(params)
 
+    def _layer_groups(self) -> tuple[int, ...] | None:
+        """The layers of each pipeline group when the stages are uneven (``parallel.stage_layers``, or a
+        layer count the stages do not divide: :func:`jaxpar.partitioning.layer_groups`), else None."""
+        s_, r_ = self.sizes["pipe"], self.cfg.parallel.pipeline_repeats
+        axes = jax.tree.leaves(self.adapter.axes, is_leaf=lambda x: isinstance(x, tuple))
+        stacked = {a.shape[0] for a, ax in zip(jax.tree.leaves(self.adapter.abstract), axes)
+                   if ax and ax[0] == "layers"}
+        if s_ == 1 or not stacked:
+            return None
+        if len(stacked) > 1:
+            raise ConfigError(f"the model has stacks of {sorted(stacked)} layers over pipe: a pipeline runs one "
+                              "stack (the others: Stack.create(axis='sublayers'))")
+        counts = layer_groups(stacked.pop(), s_, r_, self.cfg.parallel.stage_layer_list())
+        return counts if len(set(counts)) > 1 else None
+
+    def stored_shapes(self, tree: dict) -> dict:
+        """``tree``'s shapes as the state stores them: the stacked layer dims padded to max(groups) slots per
+        pipeline group when the stages are uneven."""
+        if self.groups is None:
+            return tree
+        slots = stack_slots(sum(self.groups), self.sizes["pipe"], self.cfg.parallel.pipeline_repeats, self.groups)
+        return jax.tree.map(lambda a, ax: jax.ShapeDtypeStruct((slots, *a.shape[1:]), a.dtype)
+                            if ax and ax[0] == "layers" else a, tree, self.adapter.axes,
+                            is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+    def _layer_order_sharding(self, sharding: NamedSharding, shape: tuple) -> NamedSharding:
+        """Where a leaf of the layer-order state lives (uneven stages): as ``sharding`` with ``pipe`` moved from
+        a layer dim the stages do not divide to the first other dim it divides (kept split, not copied:
+        each device holds 1/pipe of the layers' bytes), or dropped where none does."""
+        spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+        if not spec or shape[0] % self.sizes["pipe"] == 0 or "pipe" not in _axes_of(spec[0]):
+            return sharding
+        spec[0] = _without(spec[0], "pipe")
+        for i in range(1, len(shape)):
+            k = math.prod(self.sizes[a] for a in _axes_of(spec[i])) * self.sizes["pipe"]
+            if shape[i] % k == 0:
+                spec[i] = (*_axes_of(spec[i]), "pipe")
+                break
+        return NamedSharding(self.mesh, P(*spec))
+
     def layer_order(self, n: int) -> np.ndarray:
-        """``order[p]``: the layer a stack of ``n`` layers stores at position p on this layout
-        (:func:`jaxpar.layers.stack.storage_order`)."""
+        """``order[p]``: the layer a stack of ``n`` layers stores at position p on this layout, -1 for the
+        padding of uneven stages (:func:`jaxpar.layers.stack.storage_order`)."""
         from jaxpar.layers.stack import storage_order
 
-        return storage_order(n, self.sizes["pipe"], self.cfg.parallel.pipeline_repeats)
+        return storage_order(n, self.sizes["pipe"], self.cfg.parallel.pipeline_repeats, self.groups)
 
-    def _layer_permutation(self, inverse: bool):
-        """The stacked-layer permutation of circular pipelines (None when storage is layer order)."""
-        if self.sizes["pipe"] == 1 or self.cfg.parallel.pipeline_repeats == 1:
+    def _restack(self, inverse: bool):
+        """``(stacked, fn)``: which leaves are stacked layers, and ``fn(a, stacked)`` moving one from layer
+        order to storage order (``inverse``: back); None when storage is layer order."""
+        if self.sizes["pipe"] == 1 or (self.cfg.parallel.pipeline_repeats == 1 and self.groups is None):
             return None
         stacked = jax.tree.map(lambda ax: bool(ax) and ax[0] == "layers", self.adapter.axes,
                                is_leaf=lambda x: isinstance(x, tuple))
+        n = sum(self.groups) if self.groups else None
 
-        def permute(a, is_stacked):
+        def restack(a, is_stacked):
             if not is_stacked:
                 return a
-            order = self.layer_order(a.shape[0])
-            return a[np.argsort(order) if inverse else order]
+            from jaxpar.layers.stack import layer_positions
 
-        return stacked, permute
+            order = self.layer_order(n or a.shape[0])
+            if inverse:
+                return a[layer_positions(order)]
+            if np.all(order >= 0):  # a permutation (circular)
+                return a[order]
+            real = (order >= 0).reshape(-1, *(1,) * (a.ndim - 1))
+            return jnp.where(real, a[np.maximum(order, 0)], jnp.zeros((), a.dtype))
+
+        return stacked, restack
 
     def to_storage_order(self, params: dict) -> dict:
-        """Stacked layers in the layout's storage order (:func:`jaxpar.layers.stack.storage_order`); the
-        model builds them in layer order, so the same seed gives the same layers on every mesh."""
-        perm = self._layer_permutation(inverse=False)
+        """Stacked layers in the layout's storage order (:func:`jaxpar.layers.stack.storage_order`; uneven
+        stages' padding slots zero); the model builds them in layer order, so the same seed gives the same
+        layers on every mesh."""
+        perm = self._restack(inverse=False)
         return params if perm is None else jax.tree.map(perm[1], params, perm[0])
 
     def _convert_state(self, state: dict, inverse: bool) -> dict:
         if inverse not in self._converters:  # compiled once per direction (a save happens many times)
-            perm = self._layer_permutation(inverse)
+            perm = self._restack(inverse)
             if perm is None:
                 self._converters[inverse] = None
             else:
-                stacked, permute = perm
+                stacked, restack = perm
 
                 def convert(st):
-                    opt = optax.tree_map_params(self.tx, permute, st["opt"], stacked,
+                    opt = optax.tree_map_params(self.tx, restack, st["opt"], stacked,
                                                 transform_non_params=lambda x: x)
-                    return {**st, "params": jax.tree.map(permute, st["params"], stacked), "opt": opt}
+                    return {**st, "params": jax.tree.map(restack, st["params"], stacked), "opt": opt}
 
-                self._converters[inverse] = jax.jit(convert, out_shardings=self.state_shardings)
+                out = self.abstract_layer_state if inverse else self.abstract_state
+                self._converters[inverse] = jax.jit(convert, out_shardings=jax.tree.map(lambda a: a.sharding, out))
         convert = self._converters[inverse]
         return state if convert is None else convert(state)
 
     def state_to_layer_order(self, state: dict) -> dict:
         """The state with stacked layers (parameters and their optimizer moments) in layer order, as
-        checkpoints hold them; the identity unless the pipeline is circular."""
+        checkpoints hold them (:attr:`abstract_layer_state`); the identity unless the pipeline is circular
+        or uneven."""
         return self._convert_state(state, inverse=True)
 
     def state_from_layer_order(self, state: dict) -> dict:
         """Inverse of :meth:`state_to_layer_order` (after restoring a checkpoint)."""
         return self._convert_state(state, inverse=False)
+
+    def params_in_layer_order(self, params: dict) -> dict:
+        """``params`` (storage order) with the stacked layers in layer order, unpadded (for generation, which
+        scans the layers)."""
+        perm = self._restack(inverse=True)
+        if perm is None:
+            return params
+        if "params" not in self._converters:
+            stacked, restack = perm
+            out = jax.tree.map(lambda a: a.sharding, self.abstract_layer_state["params"])
+            self._converters["params"] = jax.jit(lambda p: jax.tree.map(restack, p, stacked), out_shardings=out)
+        return self._converters["params"](params)
 
     # -- the step --------------------------------------------------------------------------------
     def loss_fn(self, params: dict, batch: dict, denominator=None):
@@ -340,15 +428,19 @@ class Trainer:
         # a model's update of non-gradient parameters (class docstring)
         after = getattr(self.adapter.abstract_model, "after_update", None)
 
+        def after_update(params, aux):  # under the rules: per-layer values go to storage order (Stack)
+            with use_rules(self.rules):
+                return after(params, aux)
+
         def update(params, opt, aux):
             updates, opt = self.tx.update(grads, opt, params)
             params = optax.apply_updates(params, updates)
             if after is not None:
-                params, aux = after(params, aux)
+                params, aux = after_update(params, aux)
             return params, opt, aux
 
         def skip(params, opt, aux):  # the same metrics (a hook may change their keys), the state unchanged
-            return params, opt, (after(params, aux)[1] if after is not None else aux)
+            return params, opt, (after_update(params, aux)[1] if after is not None else aux)
 
         params, opt, aux = jax.lax.cond(finite, update, skip, state["params"], state["opt"], aux)
         skipped = state["skipped"] + (~finite).astype(jnp.int32)

@@ -41,7 +41,7 @@ from flax import nnx
 from jaxpar.config import MoEConfig, ModelConfig
 from jaxpar.layers import MoE, balance_bias
 from jaxpar.partitioning import constrain
-from jaxpar.layers.stack import Stack, loss_in_pipeline
+from jaxpar.layers.stack import Stack, loss_in_pipeline, to_storage
 from jaxpar.models.gpt import DTYPES, GPT, Block, activation, ordered
 
 
@@ -154,7 +154,8 @@ class MoETransformer(GPT):
     def after_update(self, params: dict, aux: dict) -> tuple[dict, dict]:
         """The trainer's post-optimizer hook: with ``moe.bias_update_rate`` > 0, each MoE layer's routing
         bias takes one balancing step (:func:`jaxpar.layers.moe.balance_bias`) from that layer's expert
-        load in this batch (``aux["moe_layer_load"] [groups, E]``, in the parameters' storage order).
+        load in this batch (``aux["moe_layer_load"] [groups, E]``, in layer order; the parameters are in the
+        layout's storage order, :func:`jaxpar.layers.stack.to_storage`: the trainer runs this under its rules).
         Returns the new parameters and the metrics without the per-layer loads; ``moe_load_max_min``
         reports the max/min expert load of the batch, averaged over MoE layers (1 = balanced)."""
         if self.moe_cfg.bias_update_rate <= 0:
@@ -162,7 +163,7 @@ class MoETransformer(GPT):
         aux = dict(aux)
         load = aux.pop("moe_layer_load")
         mlp = params["blocks"]["moe"]["mlp"]
-        bias = balance_bias(mlp["router_bias"], load, self.moe_cfg.bias_update_rate)
+        bias = balance_bias(mlp["router_bias"], to_storage(load, load.shape[0]), self.moe_cfg.bias_update_rate)
         params = {**params, "blocks": {**params["blocks"], "moe": {**params["blocks"]["moe"],
                                                                      "mlp": {**mlp, "router_bias": bias}}}}
         aux["moe_load_max_min"] = jnp.mean(jnp.max(load, axis=-1) / jnp.maximum(jnp.min(load, axis=-1), 1))

@@ -174,7 +174,7 @@ def check_moe_against_reference(cfg, got_loss, got_aux, got_grads, ref, m: int |
     :func:`per_microbatch_reference`; the router losses are on and move the loss by far more than the tolerance."""
     m = m or cfg.parallel.microbatches
     ref_loss, ref_aux, ref_grads, _ = ref
-    n_moe = cfg.model.n_layers // cfg.moe.every
+    n_moe = cfg.moe.groups(cfg.model.n_layers)  # MoE layers: one per stacked group
     w_aux, w_z = cfg.moe.aux_loss_weight, cfg.moe.z_loss_weight
     router = n_moe * (w_aux * ref_aux["moe_aux_loss"] + w_z * ref_aux["moe_z_loss"])  # metrics: per-layer means
     assert abs(ref_loss - ref_aux["ce_loss"] - router) <= 1e-6 * ref_loss

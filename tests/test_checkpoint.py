@@ -49,16 +49,20 @@ def saved_on_data8(tmp_path_factory):
     {"parallel__pipe": 2, "parallel__data": 2, "parallel__tensor": 2, "parallel__pipeline_repeats": 2},
     {"parallel__data": 2, "parallel__tensor": 2, "parallel__zero": 3},  # 4 devices
     {"parallel__data": 2, "parallel__expert": 2, "parallel__seq": 2},
-], ids=["data2xtensor4", "1f1b-pipe2xdata4", "circular-pipe2xdata2xtensor2", "4devices-zero3", "data2xexpert2xseq2"])
+    # uneven stages (1 + 3 layers): stored padded to 2 x 3 slots, the checkpoint's 4 layers split over pipe by d_model
+    {"parallel__pipe": 2, "parallel__data": 2, "parallel__tensor": 2, "parallel__stage_layers": "1,3",
+     "parallel__pipeline_schedule": "1f1b"},
+], ids=["data2xtensor4", "1f1b-pipe2xdata4", "circular-pipe2xdata2xtensor2", "4devices-zero3", "data2xexpert2xseq2",
+        "uneven-1f1b-pipe2xdata2xtensor2"])
 def test_restore_on_another_mesh_continues_the_same_losses(saved_on_data8, layout):
     directory, want, bs = saved_on_data8
     cfg = config("gpt2", **MODEL, **layout)
     t = trainer(cfg)
     ck = Checkpointer(directory)
-    state, data, meta = ck.restore(2, t.abstract_state, cfg.to_dict())
+    state, data, meta = ck.restore(2, t.abstract_layer_state, cfg.to_dict())
     ck.close()
     assert data == {"step": 2} and meta["step"] == 2 and int(state["step"]) == 2
-    for leaf, target in zip(jax.tree.leaves(state), jax.tree.leaves(t.abstract_state)):
+    for leaf, target in zip(jax.tree.leaves(state), jax.tree.leaves(t.abstract_layer_state)):
         assert leaf.sharding == target.sharding  # read straight into this mesh's layout
     _, got = _steps(t, t.state_from_layer_order(state), bs[2:])
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -53,6 +53,10 @@ LAYOUTS = {
                                             parallel__microbatches=4)),
     "pipe-1f1b-moe-tied": ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__expert=2, model__n_layers=4,
                                         model__arch="moe", moe__n_experts=4, parallel__pipeline_schedule="1f1b")),
+    # uneven stages (5 layers as 2 + 3; 7 as 3 + 4 under 1F1B): every stage runs the longer stage's slots
+    "pipe-uneven": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=5)),
+    "pipe-1f1b-uneven": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=7,
+                                       parallel__stage_layers="3,4", parallel__pipeline_schedule="1f1b")),
     "expert": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4)),
     "expert-tensor": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=2, parallel__tensor=2,
                                    moe__n_experts=4, moe__shared_experts=1, moe__score="sigmoid")),

@@ -131,19 +131,31 @@ def test_export_loads_in_transformers(tmp_path, arch, layout):
     assert not back
 
 
-def test_circular_pipeline_import_and_sharded_export(tmp_path):
+@pytest.mark.parametrize("layers, layout, order", [
+    (4, ["parallel.pipeline_repeats=2"], [0, 2, 1, 3]),
+    (5, [], [0, 1, -1, 2, 3, 4]),  # uneven stages: 2 + 3 layers in 2 x 3 slots, the padding zero
+], ids=["circular", "uneven"])
+def test_circular_pipeline_import_and_sharded_export(tmp_path, layers, layout, order):
     """A tied Llama imported onto a circular pipeline (stacked layers stored stage-major, each stage
-    reading only its layers) gives transformers' logits; exported from there in several safetensors
-    files with an index, it loads back in transformers."""
-    model = hf_model("llama", num_hidden_layers=4, tie_word_embeddings=True)
+    reading only its layers) or onto uneven stages (padded) gives transformers' logits; its tensors
+    are the checkpoint's bit for bit; exported from there in several safetensors files with an index, it
+    loads back in transformers."""
+    model = hf_model("llama", num_hidden_layers=layers, tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "in")
     ref = hf_logits(model, tokens())
     cfg = load_config(None, [f"model.init_from=hf:{tmp_path / 'in'}", f"model.seq_len={T}", "train.batch_size=8",
-                             "parallel.pipe=2", "parallel.pipeline_repeats=2", "parallel.data=2"])
+                             "parallel.pipe=2", "parallel.data=2", *layout])
     trainer = Trainer(cfg)
-    assert list(trainer.layer_order(4)) == [0, 2, 1, 3] and cfg.model.tie_embeddings
+    assert list(trainer.layer_order(layers)) == order and cfg.model.tie_embeddings
     params = hf.load_params(trainer, tmp_path / "in")
     assert np.max(np.abs(jaxpar_logits(trainer, params, tokens()) - ref)) < 1e-4
+    from safetensors.numpy import load_file
+
+    original = load_file(str(tmp_path / "in" / "model.safetensors"))
+    exported = dict(hf.hf_tensors(trainer, params))
+    assert set(exported) == set(original)
+    for name, a in exported.items():
+        np.testing.assert_array_equal(a, original[name], err_msg=name)
     files = hf.export(trainer, params, tmp_path / "out", shard_bytes=20_000)
     assert (tmp_path / "out" / "model.safetensors.index.json") in files and len(files) > 4
     np.testing.assert_allclose(hf_logits(tmp_path / "out", tokens()), ref, atol=1e-5)

@@ -271,9 +271,9 @@ def test_schedule_chart(tmp_path):
 
 
 @pytest.mark.parametrize("layout, needle", [
-    (dict(model__n_layers=3, parallel__pipe=2), "model.n_layers=3 is not divisible by parallel.pipe"),
+    (dict(model__n_layers=3, parallel__pipe=4), "3 layers: fewer than the parallel.pipe = 4 stages"),
     (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=4),
-     "not divisible by parallel.pipe x parallel.pipeline_repeats"),
+     "4 layers: fewer than the parallel.pipe x parallel.pipeline_repeats = 8 layer groups"),
     (dict(**L4, parallel__pipe=4, parallel__microbatches=2), "parallel.microbatches=2 is fewer than the 4"),
     (dict(**L4, parallel__pipe=2, parallel__microbatches=3), "must split into parallel.microbatches=3"),
     (dict(**L4, parallel__pipe=2, parallel__data=4, parallel__microbatches=8), "each divisible by the batch-parallel"),
@@ -281,7 +281,7 @@ def test_schedule_chart(tmp_path):
     (dict(**L4, parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=3,
           parallel__pipeline_schedule="1f1b"), "needs parallel.microbatches to be a multiple of parallel.pipe=2"),
     (dict(**L4, model__arch="moe", moe__every=2, parallel__pipe=2, parallel__pipeline_repeats=2),
-     "moe.every=2 = 2 stacked layer groups is not divisible by parallel.pipe x parallel.pipeline_repeats = 4"),
+     "2 layers (a MoE model: groups of moe.every layers): fewer than the parallel.pipe x parallel.pipeline_repeats"),
     (dict(**L4, parallel__pipeline_schedule="1f1b"),
      "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
     (dict(**L4, parallel__pipe=2, parallel__pipeline_schedule="pipedream"), "parallel.pipeline_schedule"),

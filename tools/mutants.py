@@ -40,6 +40,8 @@ MECHANISMS = {
     "comm-model": "the analytic communication model (jaxpar/comm.py, hlo.wire_bytes)",
     "memory-model": "the planner's memory and time model, faults.step_bytes, model flops",
     "documents": "packed documents: segment masks on every kernel and axis, positions per document, loss weights",
+    "pipeline-uneven": "uneven pipeline stages: the default split, the padded storage order, padding slots passed "
+                       "over, the layer-order checkpoint's placement",
     "model-switches": "the latest families' switches: MLA and its compressed cache, dense first layers, attention "
                       "sinks, the clamped SwiGLU, router and expert biases, YaRN without truncation",
 }
@@ -125,7 +127,7 @@ MUTANTS = [
       "repeat = jnp.clip(k // m_, 0, r_ - 1)", "repeat = jnp.clip(k // s_, 0, r_ - 1)",
       [f"{PIPE_EQ}[gpt2-pipe=2-pipeline_repeats=2-microbatches=4-data=2]"]),
     M("pp-stage-major-order", "pipeline-gpipe", PIPE,
-      "return np.array([(r * stages + s) * lg + j", "return np.array([(s * repeats + r) * lg + j",
+      "return np.array([start[r * stages + s] + j", "return np.array([start[s * repeats + r] + j",
       [f"{PIPE_EQ}[llama_gqa-pipe=2-pipeline_repeats=2-microbatches=2]"]),
     M("pp-forward-files-every-repeat", "pipeline-gpipe", PIPE,
       "(s == s_ - 1) & ok & (k >= m_ * (r_ - 1)))", "(s == s_ - 1) & ok)",
@@ -373,7 +375,7 @@ MUTANTS = [
 
     # -- checkpoints and the data state ------------------------------------------------------------------
     M("ck-layer-order-inverse-swapped", "checkpoint", "jaxpar/trainer.py",
-      "return a[np.argsort(order) if inverse else order]", "return a[order if inverse else np.argsort(order)]",
+      "return a[layer_positions(order)]", "return a[np.maximum(order, 0)]",
       ["tests/test_untested_configs.py::test_circular_layout_imports_and_exports_hugging_face_in_layer_order",
        "tests/test_pipeline.py::test_circular_pipeline_whose_storage_order_is_not_its_own_inverse[interleaved_1f1b_moe]"],
       note="pipe=2 x pipeline_repeats=2 with 4 layers stores [0, 2, 1, 3], its own inverse (the checkpoint test's "
@@ -391,6 +393,23 @@ MUTANTS = [
     M("ck-data-new-epoch-skips-a-batch", "checkpoint", "jaxpar/data/pipeline.py",
       "self.epoch, self.position = self.epoch + 1, 0", "self.epoch, self.position = self.epoch + 1, 1",
       ["tests/test_data_pipeline.py::test_single_process_order_and_epochs"]),
+
+    # -- uneven pipeline stages --------------------------------------------------------------------------
+    M("pu-short-groups-from-the-front", "pipeline-uneven", PART,
+      "out[i // 2 if i % 2 == 0 else g - 1 - i // 2] -= 1", "out[i] -= 1",
+      ["tests/test_uneven_stages.py::test_default_split_takes_one_layer_from_the_ends_inwards"]),
+    M("pu-padding-inside-the-group", "pipeline-uneven", PIPE,
+      "start[r * stages + s] + j if j < counts[r * stages + s] else -1",
+      "start[r * stages + s] + j if j <= counts[r * stages + s] else -1",
+      ["tests/test_uneven_stages.py::test_padded_storage_order_by_hand"]),
+    M("pu-padding-slot-runs", "pipeline-uneven", "jaxpar/layers/stack.py",
+      "on = active > 0  # a padding slot", "on = active >= 0  # a padding slot",
+      ["tests/test_uneven_stages.py::test_moe_with_dense_first_layers_and_router_losses_equals_one_device_per_microbatch"],
+      note="a zero-weight pre-norm layer is the identity, so dense stacks pass; the MoE padding's router statistics "
+           "(and the GPT-2 output biases' gradients) are not zero"),
+    M("pu-checkpoint-copied-over-pipe", "pipeline-uneven", "jaxpar/trainer.py",
+      '                spec[i] = (*_axes_of(spec[i]), "pipe")\n', "                pass\n",
+      ["tests/test_uneven_stages.py::test_checkpoint_is_layer_order_and_restores_on_other_layouts"]),
 
     # -- Hugging Face mapping ----------------------------------------------------------------------------
     M("hf-gpt2-qkv-layout", "hf-mapping", "jaxpar/hf.py",
@@ -410,7 +429,7 @@ MUTANTS = [
       '"mlp.gate_proj.weight": lambda p: p(("mlp", "up", "kernel"))[:, 1].T',
       ["tests/test_families.py::test_export_is_bit_identical_and_trained_export_loads[llama3]"]),
     M("hf-export-layer-order-not-inverted", "hf-mapping", "jaxpar/hf.py",
-      "inverse = np.argsort(trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == \"moe\" else m.n_layers))",
+      "inverse = layer_positions(trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == \"moe\" else m.n_layers))",
       "inverse = trainer.layer_order(cfg.moe.groups(m.n_layers) if m.arch == \"moe\" else m.n_layers)",
       ["tests/test_untested_configs.py::test_circular_layout_imports_and_exports_hugging_face_in_layer_order"],
       note="tests/test_hf.py's circular export uses 4 layers on pipe=2 x repeats=2, whose storage order is its own "

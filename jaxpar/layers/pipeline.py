@@ -58,10 +58,15 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
-def stage_major_order(n_layers: int, stages: int, repeats: int) -> np.ndarray:
-    """``order[p]`` = the layer stored at position p: stage s holds groups s, s+S, s+2S, ..."""
-    lg = n_layers // (stages * repeats)
-    return np.array([(r * stages + s) * lg + j for s in range(stages) for r in range(repeats) for j in range(lg)])
+def stage_major_order(n_layers: int, stages: int, repeats: int, counts=None) -> np.ndarray:
+    """``order[p]`` = the layer stored at position p: stage s holds groups s, s+S, s+2S, ... With
+    ``counts`` (:func:`~jaxpar.partitioning.layer_groups`: the layers of each group, uneven) every group is stored in
+    max(counts) slots, its layers first: the others hold -1 (padding, :mod:`jaxpar.layers.stack`)."""
+    g = stages * repeats
+    counts = tuple(counts) if counts is not None else (n_layers // g,) * g
+    lg, start = max(counts), np.concatenate([[0], np.cumsum(counts)])
+    return np.array([start[r * stages + s] + j if j < counts[r * stages + s] else -1
+                     for s in range(stages) for r in range(repeats) for j in range(lg)])
 
 
 def _rules() -> RuleSet:

@@ -10,7 +10,9 @@ policy. Under a pipeline, :meth:`Stack.loss` runs the whole model in it for trai
 between an embedding on the first stage and a loss on the last, in any schedule:
 :func:`~jaxpar.layers.pipeline.pipeline_loss`, :func:`~jaxpar.layers.pipeline.one_f_one_b`).
 :func:`storage_order` is the physical order of the stacked layers (stage-major under a circular
-pipeline), which the trainer applies to parameters and undoes for checkpoints. The model knows none of this::
+pipeline; with uneven stages, ``parallel.stage_layers``, each stage's group padded to the longest with
+slots that pass their input on), which the trainer applies to parameters and undoes for checkpoints
+(:func:`to_storage` maps per-layer values the same way). The model knows none of this::
 
     class MyModel(nnx.Module):
         def __init__(self, rngs):
@@ -39,19 +41,64 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.config import ConfigError
 from jaxpar.layers.pipeline import one_f_one_b, pipeline, pipeline_loss, stage_major_order
 from jaxpar.layers.remat import remat as rematerialise
 from jaxpar.layers.remat import select_remat
 from jaxpar.partitioning import active_rules
 
 
-def storage_order(n: int, stages: int, repeats: int) -> np.ndarray:
+def storage_order(n: int, stages: int, repeats: int, counts=None) -> np.ndarray:
     """``order[p]``: the layer a stack of ``n`` stores at position p: stage-major under a circular
     pipeline (``stages`` > 1 and ``repeats`` > 1, :func:`~jaxpar.layers.pipeline.stage_major_order`),
-    so that each device's layer groups are contiguous; else ``0..n-1``."""
+    so that each device's layer groups are contiguous; with uneven ``counts`` (the layers of each group,
+    :func:`~jaxpar.partitioning.layer_groups`) every group padded to max(counts) slots, a padding
+    slot holding -1; else ``0..n-1``."""
+    if counts is not None and len(set(counts)) > 1:
+        return stage_major_order(n, stages, repeats, counts)
     if stages == 1 or repeats == 1:
         return np.arange(n)
     return np.asarray(stage_major_order(n, stages, repeats))
+
+
+def layer_positions(order: np.ndarray) -> np.ndarray:
+    """``pos[l]``: the storage position of layer l (the inverse of :func:`storage_order`, padding left out)."""
+    real = np.flatnonzero(order >= 0)
+    return real[np.argsort(order[real])]
+
+
+def uneven_groups(n_stored: int | None = None) -> tuple[int, ...] | None:
+    """The layers of each pipeline group when the active layout's stages are uneven (its resolved
+    ``parallel.stage_layers``, which the trainer sets from the model's layer count), else None. With
+    ``n_stored`` (a stack's stored layer dim) it checks that the stack is stored for that layout."""
+    rules = active_rules()
+    if rules is None or rules.parallel is None or rules.axis_size("pipe") == 1:
+        return None
+    s_, r_ = rules.axis_size("pipe"), rules.parallel.pipeline_repeats
+    given = rules.parallel.stage_layer_list()
+    counts = given if given and len(set(given)) > 1 else None
+    if n_stored is not None:
+        slots = s_ * r_ * max(counts) if counts else n_stored
+        if n_stored != slots or n_stored % (s_ * r_):
+            raise ConfigError(f"a stack of {n_stored} stored layers does not fit the pipeline's {s_ * r_} groups "
+                              + (f"of parallel.stage_layers={rules.parallel.stage_layers} (stored as {slots} "
+                                 "slots: the trainer pads the stack, jaxpar.trainer.Trainer.to_storage_order)"
+                                 if counts else "evenly; set parallel.stage_layers (uneven stages, padded by the "
+                                 "trainer) or change the layer count"))
+    return counts
+
+
+def to_storage(rows, n: int):
+    """Per-layer values ``[n, ...]`` in layer order -> the active layout's storage order (padding rows zero);
+    the identity without a pipeline that reorders or pads."""
+    rules = active_rules()
+    if rules is None or rules.parallel is None or rules.axis_size("pipe") == 1:
+        return rows
+    order = storage_order(n, rules.axis_size("pipe"), rules.parallel.pipeline_repeats, uneven_groups())
+    if np.array_equal(order, np.arange(n)):
+        return rows
+    idx, real = np.maximum(order, 0), order >= 0
+    return jax.tree.map(lambda a: jnp.where(real.reshape(-1, *(1,) * (a.ndim - 1)), a[idx], 0), rows)
 
 
 def loss_in_pipeline() -> bool:
@@ -67,7 +114,7 @@ class Stack:
 
     Each layer is called as ``layer(h, *args)`` and returns ``h``, or ``(h, y)`` with ``outputs=True``
     (per-layer outputs, e.g. router statistics: the result is then ``(h, ys)`` with ``ys`` stacked on
-    a leading layer dim in storage order; through a pipeline, each the mean over the microbatches).
+    a leading layer dim in layer order; through a pipeline, each the mean over the microbatches).
     """
 
     def __init__(self, layers: nnx.Module, *, remat: str = "none", outputs: bool = False, pipelined: bool = True,
@@ -97,36 +144,52 @@ class Stack:
         return s_, rules.parallel.pipeline_repeats, rules.parallel.microbatches or s_
 
     def _state(self):
-        """``(graphdef, state)`` of the layers; with per-layer values, ``state`` is ``(weights, values)``,
-        the values ``[n]`` float32 in the active layout's storage order (scanned and pipelined alike)."""
+        """``(graphdef, state, order)`` of the layers; with per-layer values or uneven pipeline stages,
+        ``state`` is ``(weights, values)``, the values ``[stored]`` float32 in the active layout's storage
+        order (scanned and pipelined alike; uneven stages add ``_ACTIVE``, 0 on the padding slots);
+        ``order`` the storage order (:func:`storage_order`), None when it is layer order."""
         graphdef, state = nnx.split(self.layers)
-        if not self.per_layer:
-            return graphdef, state
         pipe = self._stages()
-        n = jax.tree.leaves(state)[0].shape[0]
-        order = storage_order(n, pipe[0], pipe[1]) if pipe else np.arange(n)
+        stored = jax.tree.leaves(state)[0].shape[0]
+        counts = uneven_groups(stored) if pipe else None
+        n = sum(counts) if counts else stored
+        order = storage_order(n, pipe[0], pipe[1], counts) if pipe else np.arange(n)
+        order = None if np.array_equal(order, np.arange(stored)) else order
+        if not self.per_layer and counts is None:
+            return graphdef, state, order
+        at, real = (np.arange(n), True) if order is None else (np.maximum(order, 0), order >= 0)
         values = {}
         for k, v in self.per_layer.items():
             v = np.asarray(v, np.float32)
             if v.shape != (n,):
                 raise ValueError(f"Stack(per_layer={{{k!r}: ...}}) needs one value per layer ({n}); got shape "
                                  f"{v.shape}")
-            values[k] = jnp.asarray(v[order])
-        return graphdef, (state, values)
+            values[k] = jnp.asarray(np.where(real, v[at], 0))
+        if counts is not None:
+            values[_ACTIVE] = jnp.asarray(real, np.float32)
+        return graphdef, (state, values), order
 
-    def _stage_fn(self, graphdef, args):
+    def _stage_fn(self, graphdef, args, with_values: bool):
         """``(group_state, h, select=None, rows=None) -> h`` (or ``(h, ys)``): a scan of the layers in
-        ``group_state``, each given ``rows`` (a microbatch's; None: the stack's own) as keywords."""
+        ``group_state``, each given ``rows`` (a microbatch's; None: the stack's own) as keywords; a padding
+        slot of uneven stages passes ``h`` on (its outputs zero)."""
         def run(group, h, select=None, rows=None):
             rows = self.rows if rows is None else rows
 
             def body(h, layer_state):
-                if self.per_layer:
-                    layer_state, values = layer_state
-                    out = nnx.merge(graphdef, layer_state)(h, *args, **values, **rows)
-                else:
+                if not with_values:
                     out = nnx.merge(graphdef, layer_state)(h, *args, **rows)
-                return out if self.outputs else (out, None)
+                    return out if self.outputs else (out, None)
+                layer_state, values = layer_state
+                values = dict(values)
+                active = values.pop(_ACTIVE, None)
+                out = nnx.merge(graphdef, layer_state)(h, *args, **values, **rows)
+                out = out if self.outputs else (out, None)
+                if active is None:
+                    return out
+                on = active > 0  # a padding slot: h unchanged, outputs zero
+                return (jnp.where(on, out[0], h),
+                        jax.tree.map(lambda y: jnp.where(on, y, jnp.zeros_like(y)), out[1]))
 
             if select is None:
                 h, ys = jax.lax.scan(rematerialise(body, self.remat), h, group)
@@ -142,8 +205,8 @@ class Stack:
         return run
 
     def __call__(self, x: jax.Array, *args):
-        graphdef, state = self._state()
-        stage_fn = self._stage_fn(graphdef, args)
+        graphdef, state, order = self._state()
+        stage_fn = self._stage_fn(graphdef, args, isinstance(state, tuple))
         pipe = self._stages()
         if pipe is None:
             return stage_fn(state, x)
@@ -151,7 +214,8 @@ class Stack:
             raise NotImplementedError("per-row inputs (packed documents) run through a pipeline in the training "
                                       "loss (Stack.loss) only, not in a forward of the stack")
         s_, r_, m_ = pipe
-        return pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs)
+        out = pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs)
+        return (out[0], _in_layer_order(out[1], order)) if self.outputs else out
 
     def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
              weights: dict | None = None) -> tuple[jax.Array, dict | None]:
@@ -170,8 +234,8 @@ class Stack:
         if pipe is None:
             raise ValueError("Stack.loss runs the stack in a pipeline: it needs parallel.pipe > 1")
         s_, r_, m_ = pipe
-        graphdef, state = self._state()
-        stage_fn = self._stage_fn(graphdef, args)
+        graphdef, state, order = self._state()
+        stage_fn = self._stage_fn(graphdef, args, isinstance(state, tuple))
         if self.outputs and weights is None:
             weights = {}
 
@@ -184,6 +248,20 @@ class Stack:
         rules = active_rules()
         assert rules is not None and rules.parallel is not None  # _stages() checked them
         if rules.parallel.pipeline_schedule != "1f1b":
-            return primal(state, outer, tokens, targets, rows)
-        return one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_, microbatches=m_,
-                           repeats=r_, primal=primal, ys_weights=weights, rows=rows)
+            loss, ys = primal(state, outer, tokens, targets, rows)
+        else:
+            loss, ys = one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_,
+                                   microbatches=m_, repeats=r_, primal=primal, ys_weights=weights, rows=rows)
+        return loss, _in_layer_order(ys, order)
+
+
+_ACTIVE = "_active"  # the per-slot value marking uneven stages' real layers (Stack._state)
+
+
+def _in_layer_order(ys, order):
+    """Per-layer outputs ``[stored, ...]`` in storage order -> layer order, the padding left out."""
+    if ys is None or order is None:
+        return ys
+    pos = jnp.asarray(layer_positions(order))
+    return jax.tree.map(lambda a: a[pos], ys)
+
