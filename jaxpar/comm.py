@@ -127,19 +127,19 @@ def leaves_of(trainer) -> list[Leaf]:
 
 
 def stage_layers(cfg, sizes: dict) -> int:
-    """The layers one pipeline group (a stage's chunk) runs per iteration: L / (S R), or with uneven stages
-    (``parallel.stage_layers``, a layer count the stages do not divide) the longest group's slots: every
-    stage runs as many (:func:`jaxpar.partitioning.layer_groups`)."""
+    """The stacked layers one pipeline group (a stage's chunk) runs per iteration: L / (S R) (a MoE model's
+    groups x moe.every, the dense first layers apart), or with uneven stages (``parallel.stage_layers``, a
+    count the stages do not divide) the longest group's slots: every stage runs as many
+    (:func:`jaxpar.partitioning.layer_groups`); all L without a pipeline."""
     from jaxpar.partitioning import layer_groups
 
     m, par = cfg.model, cfg.parallel
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     moe = m.arch == "moe"
     stacked, every = (cfg.moe.groups(m.n_layers), cfg.moe.every) if moe else (m.n_layers, 1)
-    counts = layer_groups(stacked, s_, r_, par.stage_layer_list()) if s_ > 1 else (stacked,)
-    if len(set(counts)) == 1:
-        return m.n_layers // (s_ * r_)
-    return max(counts) * every
+    if s_ == 1:
+        return m.n_layers
+    return max(layer_groups(stacked, s_, r_, par.stage_layer_list())) * every
 
 
 def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
@@ -159,6 +159,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # a layer runs `layer_runs` times per step on `layer_rows` sequences
     layer_rows = rows // mb_ if pipelined else rows
     lpg = stage_layers(cfg, sizes)  # the layers of one pipeline group (a chunk of a stage)
+    moe_model = m.arch == "moe"
+    every, lead = (cfg.moe.every, cfg.moe.first_dense) if moe_model else (1, 0)
     layer_runs = k * (iters * lpg if pipelined else m.n_layers)
     head_rows = rows  # the embedding and head: on the whole batch (on every stage, inside a pipeline)
     remat = m.remat
@@ -170,6 +172,17 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         bwd_runs = k * f1b_steady * lpg
         fwd_runs = k * f1b_iters * lpg + bwd_runs
     redo_runs = bwd_runs if remat != "none" else 0
+    # a MoE model's MoE-layer runs: one layer in `every` of the stack (all of it but the dense first layers)
+    moe_runs = ((lambda runs: runs // every) if pipelined else
+                (lambda runs: runs * cfg.moe.groups(m.n_layers) // m.n_layers) if moe_model else (lambda runs: 0))
+    moe_fwd, moe_bwd, moe_redo = moe_runs(fwd_runs), moe_runs(bwd_runs), moe_runs(redo_runs)
+    if pipelined and lead:  # the dense first layers (the lead-in): on every stage, per microbatch, in the loops:
+        # GPipe's every iteration (forward, and the scan's transpose); 1F1B's every forward, and each steady
+        # iteration's backward through them (their forward again, then their backward)
+        lead_bwd = k * (f1b_steady if f1b else iters) * lead
+        fwd_runs += k * (f1b_iters if f1b else iters) * lead + (lead_bwd if f1b else 0)
+        bwd_runs += lead_bwd
+        redo_runs += lead_bwd if remat != "none" else 0
     # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
     # (the loss in each steady iteration, the lookup in each forward)
     head_runs = f1b_steady / mb_ if f1b else 1.0
@@ -196,6 +209,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             if f1b and (leaf.stage or head):  # accumulated in 1F1B's steady loop (a tied table: once more,
                 loops = k * (f1b_steady + tied_table)  # for the lookup after it)
 
+            if pipelined and lead and leaf.names[:1] == ("sublayers",):  # the lead-in's: inside the loops,
+                loops = k * (f1b_steady if f1b else iters)  # reduced in each iteration that takes its backward
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
         # a dot contracting batch and sequence dims reduces over each split apart on XLA:CPU; weights
@@ -239,14 +254,18 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     block_ar = 2 * fwd_runs + 2 * bwd_runs + recompute_ar * redo_runs  # attention-out and MLP-down, and transposes
     if f1b and lpg == 1:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
         block_ar -= k * f1b_steady  # the chunk's output, is unused by the backward and XLA drops its all-reduce
-    moe_layers = cfg.moe.groups(m.n_layers) if m.arch == "moe" else 0
     shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts
     hk, lk = k * head_runs, k * lookup_runs
     if sizes["tensor"] > 1 and not par.megatron_sp:
-        add("all-reduce", tp, block_ar, act, "Megatron block all-reduces")
+        if m.kv_lora_rank:  # MLA: its head-split layers read the latents (kept whole), so the attention's input
+            # gradient is reduced as the latents' (queries', keys' and values', the shared RoPE key's), not as x's
+            latents = (m.q_lora_rank or d) + m.kv_lora_rank + m.rope_head_dim
+            add("all-reduce", tp, block_ar - bwd_runs, act, "Megatron block all-reduces")
+            add("all-reduce", tp, bwd_runs, act * latents / d, "MLA latents' gradient all-reduces")
+        else:
+            add("all-reduce", tp, block_ar, act, "Megatron block all-reduces")
         # the MoE layer's shared experts: one more row-parallel MLP (forward output, backward input gradient)
-        add("all-reduce", tp, shared * (fwd_runs + bwd_runs) * moe_layers // m.n_layers, act,
-            "shared experts' all-reduces")
+        add("all-reduce", tp, shared * (moe_fwd + moe_bwd), act, "shared experts' all-reduces")
         add("all-reduce", tp, lk, head_rows * tl * d * param_bytes, "vocab-parallel lookup")
         add("all-reduce", tp, hk, head_grad, "loss input gradient")
         add("all-reduce", tp, 3 * hk, head_rows * tl * 4, "loss max / sum / target over the vocabulary")
@@ -256,8 +275,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             "Megatron-SP column-layer input all-gathers")
         add("reduce-scatter", tp, block_ar, act / t_, "Megatron-SP row-layer reduce-scatters")
         # the shared experts' input all-gathers are the routed experts' (the same gather of the same value, CSE'd)
-        add("reduce-scatter", tp, shared * (fwd_runs + bwd_runs) * moe_layers // m.n_layers, act / t_,
-            "Megatron-SP shared experts' reduce-scatters")
+        add("reduce-scatter", tp, shared * (moe_fwd + moe_bwd), act / t_, "Megatron-SP shared experts' reduce-scatters")
         add("reduce-scatter", tp, lk, head_act / t_, "Megatron-SP lookup reduce-scatter")
         add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
         add("all-gather", tp, hk, head_act, "Megatron-SP head input all-gather")
@@ -280,21 +298,19 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     if m.arch == "moe" and sizes["expert"] > 1:
         e = cfg.moe
         tokens = layer_rows * tl
-        groups, ep = e.groups(m.n_layers), sizes["expert"]
+        ep = sizes["expert"]
         if e.dispatch_path() == "sorted":
             # the exchange rounds of [ep, c, d], c = ceil(cf k tokens / ep): forward rows out and results back;
             # the backward (sum_rounds' VJP) redoes a round's rows-out exchange and transposes both. One round
             # when the routing is balanced; XLA:CPU's static count holds round 0 and the loop's body once (two)
             c = max(1, math.ceil(e.capacity_factor * e.top_k * tokens / ep - 1e-9))
             rounds = 2 if platform == "cpu" else 1
-            runs = rounds * (2 * fwd_runs + 3 * bwd_runs + 2 * redo_runs)
-            add("all-to-all", ("expert",), runs * groups // m.n_layers, ep * c * d * act_bytes,
-                "MoE sorted-dispatch exchange rounds")
+            runs = rounds * (2 * moe_fwd + 3 * moe_bwd + 2 * moe_redo)
+            add("all-to-all", ("expert",), runs, ep * c * d * act_bytes, "MoE sorted-dispatch exchange rounds")
         else:
             cap = expert_capacity(tokens, e.n_experts, e.top_k, e.capacity_factor, e.dropless)
             buf = e.n_experts * cap * d * act_bytes
-            add("all-to-all", ("expert",), 2 * (fwd_runs + bwd_runs + redo_runs) * groups // m.n_layers, buf,
-                "MoE dispatch / combine")
+            add("all-to-all", ("expert",), 2 * (moe_fwd + moe_bwd + moe_redo), buf, "MoE dispatch / combine")
 
     # -- sequence parallelism --------------------------------------------------------------------------
     n = sizes["seq"]

@@ -376,7 +376,8 @@ class MoEConfig:
                            "or auto (sorted when moe.dropless, else capacity).", ("auto", "capacity", "sorted"))
     first_dense: int = _f(0, "The first this many layers are dense MLPs of model.d_ff (DeepSeek-V3's "
                              "first_k_dense_replace: 3), the moe.every pattern applying to the rest; under a "
-                             "pipeline they run with the embedding on the first stage.", range=NONNEGATIVE)
+                             "pipeline they run on the first stage after the embedding, per microbatch.",
+                   range=NONNEGATIVE)
     every: int = _f(1, "Every n-th layer is MoE (layers n-1, 2n-1, ...), the others dense; 1 = all (Mixtral).",
                     range=POSITIVE)
     d_ff: int = _f(0, "Hidden width of one expert; 0 = model.d_ff.", range=NONNEGATIVE)

@@ -167,6 +167,10 @@ class GPT(nnx.Module):
         """The modules around the layer stack: embedding, positions, final norm and head."""
         return {"embed": self.embed, "pos_embed": self.pos_embed, "norm_f": self.norm_f, "head": self.head}
 
+    def has_lead_in(self) -> bool:
+        """Whether :meth:`lead_in` runs layers (then a pipeline runs them per microbatch on its first stage)."""
+        return False
+
     def lead_in(self, outer: dict, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
         """Layers run with the embedding, before the stack (under a pipeline: on the first stage; ``outer``
         holds their weights); none here (a MoE decoder's dense first layers)."""
@@ -235,9 +239,14 @@ class GPT(nnx.Module):
         def first_fn(o, tok):
             mods = nnx.merge(outer_def, o)
             if isinstance(tok, dict):
-                x = embed_tokens(mods, cfg, dtype, tok["tokens"], tok["positions"])
+                return embed_tokens(mods, cfg, dtype, tok["tokens"], tok["positions"])
+            return embed_tokens(mods, cfg, dtype, tok, positions)
+
+        def lead_fn(o, x, tok):  # the layers before the stack (a MoE model's dense first layers): on stage 0
+            mods = nnx.merge(outer_def, o)
+            if isinstance(tok, dict):
                 return self.lead_in(mods, x, positions, segment_ids=tok["segment_ids"], doc_positions=tok["positions"])
-            return self.lead_in(mods, embed_tokens(mods, cfg, dtype, tok, positions), positions)
+            return self.lead_in(mods, x, positions)
 
         def last_fn(o, h, tgt):
             mods = nnx.merge(outer_def, o)
@@ -247,7 +256,8 @@ class GPT(nnx.Module):
             return head_loss(mods, cfg, dtype, mods["norm_f"](h), tgt)
 
         return Stack(self.blocks, remat=cfg.remat, outputs=weights is not None, per_layer=self.per_layer(),
-                     rows=layer_docs(docs)).loss(first_fn, last_fn, outer, tokens, targets, positions, weights=weights)
+                     rows=layer_docs(docs)).loss(first_fn, last_fn, outer, tokens, targets, positions, weights=weights,
+                                                 lead_fn=lead_fn if self.has_lead_in() else None)
 
 
 def batch_docs(docs: dict) -> dict:

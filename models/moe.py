@@ -12,7 +12,8 @@ with :mod:`models.gpt`.
 ``moe.every = 1`` makes every layer MoE (Mixtral); ``every = 2`` alternates dense and MoE (Switch),
 the MoE layers being the last of each group. ``moe.first_dense = k`` puts k dense layers before the
 groups (DeepSeek-V3's ``first_k_dense_replace``): a stack of their own, not split over ``pipe``;
-under a pipeline they run with the embedding, inside the first stage's part of the schedule (as the
+under a pipeline they run on the first stage after the embedding, per microbatch inside the schedule
+(``Stack.loss(lead_fn=)``: their backward too, so they keep one microbatch's activations; as the
 embedding, every stage computes them and only the first stage's result is used: 3 of DeepSeek-V3's
 61 layers: on 16 stages each stage computes about 3 + 58/16 layers).
 The MoE layer (:class:`jaxpar.layers.MoE`) routes each
@@ -107,6 +108,9 @@ class MoETransformer(GPT):
     def outer(self) -> dict:
         """GPT's, and the dense first layers (run with the embedding: on the first stage of a pipeline)."""
         return {**super().outer(), "first": self.first}
+
+    def has_lead_in(self) -> bool:
+        return self.first is not None
 
     def lead_in(self, outer: dict, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
         """The dense first layers (``moe.first_dense``) on the embedded ``x``."""

@@ -21,6 +21,9 @@ from jaxpar import comm, hlo
 
 MIN_BYTES = 1024  # collectives of scalars and statistics: left out of both sides
 
+MLA = dict(model__head_dim=16, model__kv_lora_rank=12, model__q_lora_rank=20, model__rope_head_dim=8,
+           model__v_head_dim=12)
+
 LAYOUTS = {
     "dp8": ("llama", dict(parallel__data=8)),
     "zero1": ("llama", dict(parallel__data=8, parallel__zero=1)),
@@ -57,6 +60,17 @@ LAYOUTS = {
     "pipe-uneven": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=5)),
     "pipe-1f1b-uneven": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=7,
                                        parallel__stage_layers="3,4", parallel__pipeline_schedule="1f1b")),
+    # DeepSeek's shape: MLA (the attention's input gradient reduced over tensor as the latents'), a dense first
+    # layer on the first stage (the lead-in, per microbatch) and 3 uneven MoE groups
+    "pipe-1f1b-mla-lead-in-uneven": ("llama", dict(model__arch="moe", model__n_layers=4, moe__first_dense=1,
+                                                   moe__n_experts=4, moe__shared_experts=1, parallel__pipe=2,
+                                                   parallel__expert=2, parallel__tensor=2,
+                                                   parallel__pipeline_schedule="1f1b", **MLA)),
+    "mla-tensor": ("llama", dict(model__arch="moe", moe__n_experts=4, parallel__data=2, parallel__expert=2,
+                                 parallel__tensor=2, **MLA)),
+    "pipe-gpipe-lead-in": ("llama", dict(model__arch="moe", model__n_layers=3, moe__first_dense=1, moe__n_experts=4,
+                                         parallel__pipe=2, parallel__expert=2, parallel__data=2,
+                                         model__remat="full")),
     "expert": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4)),
     "expert-tensor": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=2, parallel__tensor=2,
                                    moe__n_experts=4, moe__shared_experts=1, moe__score="sigmoid")),

@@ -251,26 +251,28 @@ def test_cudnn_train_step_with_documents_lowers_for_cuda(monkeypatch):
     assert all("256x256" in c for c in calls)  # the mask (a bias [B, 1, T, S]) goes into the kernel
 
 
-# DeepSeek-V3's switches: MLA (low-rank queries), a dense first layer (run with the embedding on the first
-# stage), sigmoid group-limited routing with a fixed routing bias, a shared expert
+# DeepSeek-V3's switches: MLA (low-rank queries), a dense first layer (run on the first stage after the
+# embedding, per microbatch), sigmoid group-limited routing with a fixed routing bias, a shared expert
 DEEPSEEK = dict(model__n_layers=3, model__head_dim=16, model__kv_lora_rank=12, model__q_lora_rank=20,
                 model__rope_head_dim=8, model__v_head_dim=12, moe__first_dense=1, moe__score="sigmoid",
                 moe__router_bias=True, moe__shared_experts=1, moe__n_group=2, moe__topk_group=1)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "deepseek"])
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek", "deepseek-gpipe"])
 def test_moe_packed_documents_equal_one_device(kind):
-    """The MoE model with packed documents on expert x data x pipe (1F1B) equals one device on the same
+    """The MoE model with packed documents on expert x data x pipe (1F1B; GPipe) equals one device on the same
     batch (capacity for every token; router losses off: they are per routing group, and a pipeline's groups
-    are its microbatches, see test_moe); DeepSeek's dense first layer sees the documents on the first stage."""
+    are its microbatches, see test_moe); DeepSeek's dense first layer sees each microbatch's documents on the
+    first stage."""
     over = dict(DOCS, model__n_layers=2, moe__n_experts=4, moe__capacity_factor=2.0, moe__aux_loss_weight=0.0,
                 moe__z_loss_weight=0.0)
-    over.update(DEEPSEEK if kind == "deepseek" else {})
+    over.update(DEEPSEEK if kind.startswith("deepseek") else {})
     ref = trainer(config("llama", model__arch="moe", **over))
     batch, _ = packed_batch(ref.cfg, seed=5)
     loss0, aux0, grads0 = jax.jit(ref.grads)(ref.init_state()["params"], ref.place_batch(batch))
     t = trainer(config("llama", model__arch="moe", **over, parallel__expert=2, parallel__data=2, parallel__pipe=2,
-                       parallel__pipeline_schedule="1f1b", parallel__microbatches=2))
+                       parallel__pipeline_schedule="gpipe" if kind.endswith("gpipe") else "1f1b",
+                       parallel__microbatches=2))
     loss, aux, grads = jax.jit(t.grads)(t.init_state()["params"], t.place_batch(batch))
     assert rel_err(loss, loss0) <= 2e-6
     assert rel_err(aux["ce_loss"], aux0["ce_loss"]) <= 2e-6

@@ -242,17 +242,21 @@ def test_interleaved_1f1b_schedule():
 def test_1f1b_memory_stays_flat_in_microbatches():
     """Per-device temporaries of the compiled step at a fixed microbatch size (pipe=2): 1F1B at M = 8S within
     1.3x of M = S (its stages hold at most 2S - 1 microbatches), interleaved 1F1B too (2 chunks per stage:
-    at most 2RS - 1 chunk inputs); GPipe's grow with M (all of them)."""
+    at most 2RS - 1 chunk inputs), and with a MoE model's dense first layers (the lead-in: run per microbatch
+    on the first stage, forward and backward; taken over the whole batch after the loops they made M = 8S 7.7x
+    M = S here); GPipe's grow with M (all of them)."""
     temp = {}
-    for sched, r in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2)):
+    lead = dict(model__arch="moe", moe__n_experts=4, moe__first_dense=2, model__n_layers=4, model__seq_len=128)
+    for sched, r, over in (("gpipe", 1, {}), ("1f1b", 1, {}), ("1f1b", 2, {}), ("1f1b-lead", 1, lead)):
         for m in (2, 16):
-            t = trainer(config("llama", model__n_layers=2 * r, parallel__pipe=2, parallel__microbatches=m,
-                               parallel__pipeline_repeats=r, parallel__pipeline_schedule=sched,
-                               train__batch_size=4 * m), 2)
+            t = trainer(config("llama", **{"model__n_layers": 2 * r, **over}, parallel__pipe=2,
+                               parallel__microbatches=m, parallel__pipeline_repeats=r,
+                               parallel__pipeline_schedule=sched.split("-")[0], train__batch_size=4 * m), 2)
             temp[sched + "x" * (r - 1), m] = t.compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 2], temp
     assert temp["1f1bx", 16] <= 1.3 * temp["1f1bx", 2], temp
+    assert temp["1f1b-lead", 16] <= 1.3 * temp["1f1b-lead", 2], temp
     assert temp["gpipe", 16] >= 3 * temp["gpipe", 2], temp
 
 

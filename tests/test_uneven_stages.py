@@ -91,17 +91,23 @@ def test_loss_and_grads_equal_one_device(case):
 MOE = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacity_factor=2.0, moe__d_ff=64)
 
 
-def test_moe_with_dense_first_layers_and_router_losses_equals_one_device_per_microbatch():
-    """DeepSeek's shape: one dense first layer (run with the embedding), 5 MoE groups on pipe=2 as 2 + 3,
-    1F1B with expert=2 and the router losses on: loss, router metrics (over the 5 real layers, not the padding)
-    and gradients equal one device running the 4 microbatches one at a time."""
+@pytest.mark.parametrize("sched, groups", [
+    ("1f1b", (2, 3)), ("gpipe", (2, 3)),
+    ("circular", (1, 1, 2, 1)),  # 5 groups on 2 stages x 2 repeats
+])
+def test_moe_with_dense_first_layers_and_router_losses_equals_one_device_per_microbatch(sched, groups):
+    """DeepSeek's shape: one dense first layer (the lead-in: on the first stage after the embedding, per
+    microbatch, its backward too), 5 MoE groups uneven on pipe=2 (1F1B, GPipe, circular), expert=2, the
+    router losses on: loss, router metrics (over the 5 real layers, not the padding) and gradients equal one
+    device running the 4 microbatches one at a time."""
     model = dict(MOE, model__n_layers=6, moe__first_dense=1)
     ref = per_microbatch_reference("gpt2", 4, **model)
-    cfg = config("gpt2", **model, parallel__pipe=2, parallel__expert=2, parallel__microbatches=4,
-                 parallel__pipeline_schedule="1f1b")
+    layout = dict(parallel__pipeline_schedule="1f1b") if sched == "1f1b" else (
+        dict(parallel__pipeline_repeats=2) if sched == "circular" else {})
+    cfg = config("gpt2", **model, parallel__pipe=2, parallel__expert=2, parallel__microbatches=4, **layout)
     got = first_step(cfg)
     t = got["trainer"]
-    assert t.groups == (2, 3)
+    assert t.groups == groups
     check_moe_against_reference(cfg, got["loss"], got["aux"], _in_layer_order(t, got["grads"]), ref)
 
 

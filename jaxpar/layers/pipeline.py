@@ -90,13 +90,14 @@ def pipeline(stage_fn, params, x: jax.Array, *, stages: int, repeats: int, micro
 
 
 def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
-                  stages: int, repeats: int, microbatches: int, ys_weights=None, rows=None):
+                  stages: int, repeats: int, microbatches: int, ys_weights=None, rows=None, lead_fn=None):
     """The loss of a pipelined model under GPipe (``repeats`` = 1) or the circular schedule, the
     embedding and the loss inside the pipeline; its gradient is JAX's (the scan's transpose).
 
     Arguments as :func:`one_f_one_b` (``params`` leaves ``[L, ...]`` in storage order, stage-major when
     ``repeats`` > 1: :func:`stage_major_order`); returns ``(loss, ys)``, ``ys`` the per-layer outputs
-    averaged over microbatches, in storage order (None without ``ys_weights``).
+    averaged over microbatches, in storage order (None without ``ys_weights``). ``lead_fn`` runs on stage 0
+    on each microbatch as it enters its first repeat (the scan's transpose is its backward, per microbatch).
 
     The schedule of :func:`schedule`, in a ``shard_map`` manual over ``pipe`` (as :func:`one_f_one_b`):
     stage 0 embeds the whole batch once before the loop and the last stage files the microbatches it
@@ -120,6 +121,7 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
     outer_leaves, outer_def = jax.tree.flatten(outer)
     lg = leaves[0].shape[0] // (s_ * r_)  # layers per group
     has_ys = ys_weights is not None
+    tokens_mb = _split_rows(tokens, m_) if lead_fn is not None else None
     act = ("batch", "res_length", "act_embed")
     x0 = jax.eval_shape(first_fn, outer, _first(tokens, mb))
     rows_mb = _split_rows(rows, m_)
@@ -133,7 +135,7 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
         ys_shape = jax.eval_shape(lambda g, x, r: run_group(g, x, 0, r), group, x0, _take(rows_mb, 0))[1]
     perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
 
-    def local(p_leaves, o_leaves, toks, tgts, rws):
+    def local(p_leaves, o_leaves, toks, tgts, rws, toks_mb):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
         s = jax.lax.axis_index("pipe")
         outer_ = jax.tree.unflatten(outer_def, o_leaves)
@@ -154,6 +156,9 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
             if r_ > 1:  # stage 0 files what comes round the ring (from iteration t - S of the last stage)
                 c["buf"] = _put(c["buf"], x, (t - s_) % m_, (s == 0) & (t >= s_))
             x = constrain(jnp.where(s == 0, c["buf"][t % m_], x), act)
+            if lead_fn is not None:  # stage 0 runs the lead-in on a microbatch entering its first repeat
+                led = lead_fn(outer_, x, _take(toks_mb, t % m_)).astype(x0.dtype)
+                x = constrain(jnp.where((s == 0) & (t < m_), led, x), act)
 
             # bubble iterations too (on zeros; their results are never used: see the docstring)
             y = run_group(p_leaves, x, repeat, _take(rws, k % m_))  # the rows of this microbatch
@@ -178,18 +183,19 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
                          lambda o: jnp.zeros((), jnp.float32), outer_)
         return loss[None], ys
 
-    def body(p_leaves, o_leaves, toks, tgts, rws):
+    def body(p_leaves, o_leaves, toks, tgts, rws, toks_mb):
         with use_rules(rules.manual_pipe()):
-            return local(p_leaves, o_leaves, toks, tgts, rws)
+            return local(p_leaves, o_leaves, toks, tgts, rws, toks_mb)
 
     stage_spec = [P("pipe")] * len(leaves)
     ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
     fn = jax.shard_map(body, mesh=rules.mesh,
-                       in_specs=(stage_spec, [P()] * len(outer_leaves), *map(_whole, (tokens, targets, rows_mb))),
+                       in_specs=(stage_spec, [P()] * len(outer_leaves),
+                                 *map(_whole, (tokens, targets, rows_mb, tokens_mb))),
                        out_specs=(P("pipe"), ys_spec), axis_names={"pipe"}, check_vma=False)
     # (jit: a forward run eagerly, e.g. logits outside a jitted step, would take shard_map's op-by-op path,
     # which does not support a shard_map manual over some axes only)
-    losses, ys = jax.jit(fn)(leaves, outer_leaves, tokens, targets, rows_mb)
+    losses, ys = jax.jit(fn)(leaves, outer_leaves, tokens, targets, rows_mb, tokens_mb)
     if last_fn is None:
         return constrain(jnp.sum(losses, axis=0), act), ys
     loss = jnp.sum(losses)  # the last stage's (zeros elsewhere)
@@ -297,7 +303,7 @@ def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
 
 
 def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
-                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1, rows=None):
+                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1, rows=None, lead_fn=None):
     """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
 
     ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
@@ -305,6 +311,11 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     ``last_fn(outer, y_mb, targets_mb) -> loss_mb`` (head and mean loss of one microbatch). ``params``
     leaves are ``[L, ...]`` (layer order, split over ``pipe``),
     ``outer`` the weights of ``first_fn`` / ``last_fn`` (shared: a tied embedding is one weight).
+    ``lead_fn(outer, x_mb, tokens_mb) -> x_mb``, optional: layers that run on the first stage after the
+    embedding, per microbatch inside the schedule (a MoE model's dense first layers, whose weights are in
+    ``outer``): the backward of a microbatch runs through them when it leaves stage 0's first chunk (their
+    forward again, their weight gradients accumulated), so that what they keep is one microbatch's; the
+    embedding's weight gradient is taken once, after the loops, from the lead-in's input gradients.
 
     Returns ``(loss, ys)``: the mean over microbatches of ``last_fn`` plus, with ``ys_weights`` (a dict
     name -> weight over the stage's per-layer outputs ``ys``, a dict of float arrays; missing names
@@ -363,7 +374,9 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     x0 = jax.eval_shape(first_fn, outer, _first(tokens, mb))
     first_used = _used_leaves(first_fn, outer_leaves, outer_def, _first(tokens, mb))
     last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), _first(targets, mb))
-    outer_used = sorted(set(first_used) | set(last_used))
+    lead_used = ([] if lead_fn is None else
+                 _used_leaves(lead_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), _first(tokens, mb)))
+    outer_used = sorted(set(first_used) | set(last_used) | set(lead_used))
     act = ("batch", "res_length", "act_embed")
     group = [jax.ShapeDtypeStruct((r_ * lg, *a.shape[1:]), a.dtype) for a in leaves]
     rows_mb = _split_rows(rows, m_)
@@ -405,6 +418,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             fm, fr = _f1b_unslot(k, s_, r_)
             x = _when((s == 0) & (fr == 0), lambda c: first_fn(outer_, _take(toks, fm)).astype(x0.dtype),
                       lambda c: c["fwd"], c)
+            if lead_fn is not None:  # the lead-in on stage 0's chunk 0 (computed everywhere, as the embedding)
+                x = jnp.where((s == 0) & (fr == 0), lead_fn(outer_, x, _take(toks, fm)).astype(x0.dtype), x)
             x = constrain(x, act)
             y = stage(p_leaves, x, fr, _take(rws, fm))
             y, ys = y if has_ys else (y, None)
@@ -444,6 +459,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                 dgroup, dx = pullback(constrain(g, act))
             c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
             dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
+            if lead_fn is not None:  # stage 0's chunk 0: through the lead-in of this microbatch (run again)
+                first = (s == 0) & (br == 0) & b_ok
+                tok = _take(toks, bmm)
+                _, lead_vjp = jax.vjp(lambda o, e: lead_fn(with_leaves(lead_used, o), e, tok),
+                                      [o_leaves[i] for i in lead_used], first_fn(outer_, tok).astype(x0.dtype))
+                d_lead, de = lead_vjp(constrain(dx, act))
+                c["douter"] = add(c["douter"], lead_used, [jnp.where(first, d, 0) for d in d_lead])
+                dx = jnp.where(first, de.astype(x0.dtype), dx)
             # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
             # reduction over the batch axes would run once per microbatch); used on stage 0 only
             c["dins"] = _put(c["dins"], dx, bmm, b_ok & (br == 0))

@@ -218,7 +218,7 @@ class Stack:
         return (out[0], _in_layer_order(out[1], order)) if self.outputs else out
 
     def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
-             weights: dict | None = None) -> tuple[jax.Array, dict | None]:
+             weights: dict | None = None, lead_fn=None) -> tuple[jax.Array, dict | None]:
         """The model's loss with the stack in between, in the layout's pipeline (needs ``pipe > 1``):
         ``first_fn(outer, tokens) -> x`` (the embedding, run on the first stage), the stack (``*args``
         passed to each layer), ``last_fn(outer, h, targets) -> mean loss`` (final norm, head, loss: run
@@ -228,7 +228,9 @@ class Stack:
         state). With
         ``weights`` (a dict over the layers' outputs, which then need ``outputs=True``) the loss adds
         ``sum weight x sum over layers``. Returns ``(loss, outputs)``: the per-layer outputs averaged
-        over microbatches (for metrics; None without ``weights``). GPipe and circular:
+        over microbatches (for metrics; None without ``weights``). ``lead_fn(outer, x, tokens) -> x``: layers
+        run on the first stage after ``first_fn``, per microbatch inside the schedule (a MoE model's dense first
+        layers: :func:`~jaxpar.layers.pipeline.one_f_one_b`). GPipe and circular:
         :func:`~jaxpar.layers.pipeline.pipeline_loss`; 1F1B: :func:`~jaxpar.layers.pipeline.one_f_one_b`."""
         pipe = self._stages()
         if pipe is None:
@@ -243,7 +245,7 @@ class Stack:
 
         def primal(p, o, tok, tgt, rws):
             return pipeline_loss(stage_fn, first_fn, last_fn, p, o, tok, tgt, stages=s_, repeats=r_, microbatches=m_,
-                                 ys_weights=weights, rows=rws)
+                                 ys_weights=weights, rows=rws, lead_fn=lead_fn)
 
         rules = active_rules()
         assert rules is not None and rules.parallel is not None  # _stages() checked them
@@ -251,7 +253,8 @@ class Stack:
             loss, ys = primal(state, outer, tokens, targets, rows)
         else:
             loss, ys = one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_,
-                                   microbatches=m_, repeats=r_, primal=primal, ys_weights=weights, rows=rows)
+                                   microbatches=m_, repeats=r_, primal=primal, ys_weights=weights, rows=rows,
+                                   lead_fn=lead_fn)
         return loss, _in_layer_order(ys, order)
 
 
