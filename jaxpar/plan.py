@@ -366,16 +366,28 @@ def describe(ov: dict) -> str:
     return f"{par} ({', '.join(extra)})"
 
 
-def table(ests: list[Estimate]) -> str:
-    rows = [f"{'#':>3} {'layout':44s} {'mem GiB':>8} {'state':>6} {'act':>6} {'comm GiB by axes':38s} "
-            f"{'bubble':>6} {'step s':>8} {'MFU':>5}"]
+LEGEND = """\
+mem GiB: per-device memory estimate (state + activations + loss logits + update temporaries); state: parameters,
+  gradients and AdamW moments as sharded; act: activations kept for the backward; bubble: the pipeline's idle
+  fraction (S-1)/(M R+S-1), as the training log prints it; step s: estimated seconds per step (compute at
+  --efficiency of peak plus communication, nothing overlapped); MFU: model flops over peak at that step time;
+  comm: GiB per device per step on the wire, by the mesh axes a collective spans."""
+
+
+def table(ests: list[Estimate], width: int = 120) -> str:
+    """The ranked layouts: one line of numbers with the layout last (never cut), then its communication by
+    mesh axes, wrapped at ``width``; :data:`LEGEND` explains the columns."""
+    import textwrap
+
+    rows = [f"{'#':>3} {'mem GiB':>8} {'state':>6} {'act':>6} {'bubble':>6} {'step s':>8} {'MFU':>4}  layout"]
     for i, e in enumerate(ests, 1):
         mem = e.memory
         state = (mem["params"] + mem["opt"] + mem["grads"]) / GIB
-        comm = ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(e.comm.items()) if v > 0) or "-"
-        rows.append(f"{i:3d} {describe(e.overrides):44s} {mem['total'] / GIB:8.2f} {state:6.2f} "
-                    f"{mem['activations'] / GIB:6.2f} {comm[:38]:38s} {e.bubble:6.2f} {e.step_seconds:8.3f} "
-                    f"{100 * e.mfu:4.0f}%")
+        bubble = 1 - 1 / e.bubble  # the stretch (M + S - 1) / M as the idle fraction the training log prints
+        rows.append(f"{i:3d} {mem['total'] / GIB:8.2f} {state:6.2f} {mem['activations'] / GIB:6.2f} "
+                    f"{100 * bubble:5.1f}% {e.step_seconds:8.3f} {100 * e.mfu:3.0f}%  {describe(e.overrides)}")
+        comm = " | ".join(f"{k} {v / GIB:.3g}" for k, v in sorted(e.comm.items()) if v > 0) or "none"
+        rows += textwrap.wrap("comm GiB: " + comm, width, initial_indent=" " * 4, subsequent_indent=" " * 14)
     return "\n".join(rows)
 
 
@@ -431,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(ok)} layouts fit on {planner.n} devices ({a.nodes} x {a.cluster}), {len(rejected)} rejected; "
               "fastest first:")
         print(table(ok[: a.top]))
+        print(LEGEND)
         print("\nbest: python train.py " + " ".join(shlex.quote(w) for w in (
             [*(["--config", a.config] if a.config else []), *a.overrides, *ok[0].args()])))
         if a.rejected:

@@ -110,6 +110,36 @@ def test_rules_of_thumb_fall_out_of_the_model():
     assert b["expert"] > 1, b
 
 
+def test_table_fits_120_columns_with_a_legend_and_the_log_s_bubble():
+    """The ranked table of a 96-layer model on 8 nodes (pipelines among the top layouts): every line at most 120
+    columns, each layout written whole, its communication listed axis by axis (none cut off), the bubble as the
+    training log prints it ((S-1)/(M+S-1), jaxpar.layers.pipeline.bubble_fraction, in %), and a legend naming
+    every column."""
+    from jaxpar.layers.pipeline import bubble_fraction
+    from jaxpar.plan import LEGEND, describe, table
+
+    cfg = load_config("configs/llama_1b.yaml", ["model.n_layers=96", "model.d_model=4096", "model.d_ff=16384",
+                                                  "train.batch_size=512", "train.grad_accum=8"])
+    ok, _ = Planner(dataclasses.replace(cfg, parallel=type(cfg.parallel)()), CLUSTERS["h100x8"], 8).plan()
+    ests = ok[:10]
+    text = table(ests)
+    assert all(len(line) <= 120 for line in text.splitlines()), max(text.splitlines(), key=len)
+    piped = [e for e in ests if e.overrides["parallel.pipe"] > 1]
+    assert piped, [describe(e.overrides) for e in ests]
+    for e in ests:
+        row = next(line for line in text.splitlines() if line.endswith(describe(e.overrides)))
+        s_, m_ = e.overrides["parallel.pipe"], e.overrides.get("parallel.microbatches") or e.overrides["parallel.pipe"]
+        want = 100 * bubble_fraction(s_, m_) if s_ > 1 else 0.0
+        assert f"{want:5.1f}%" in row, (row, want)
+    flat = " ".join(text.split())
+    for e in ests:
+        for axes, b in e.comm.items():
+            if b > 0:
+                assert f"{axes} {b / 2**30:.3g}" in flat, (axes, b)
+    for column in ("mem GiB", "state", "act", "bubble", "step s", "MFU", "comm"):
+        assert f"{column}:" in LEGEND
+
+
 def test_cli_prints_the_best_layout_and_an_impossible_request_is_one_line(capsys):
     assert main(["--config", "configs/gpt2_124m.yaml", "--cluster", "h100x8", "--top", "3"]) == 0
     out = capsys.readouterr().out
