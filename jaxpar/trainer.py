@@ -304,18 +304,10 @@ class Trainer:
                                is_leaf=lambda x: isinstance(x, tuple))
         n = sum(self.groups) if self.groups else None
 
-        def restack(a, is_stacked):
-            if not is_stacked:
-                return a
-            from jaxpar.layers.stack import layer_positions
+        from jaxpar.layers.stack import restack as restack_rows
 
-            order = self.layer_order(n or a.shape[0])
-            if inverse:
-                return a[layer_positions(order)]
-            if np.all(order >= 0):  # a permutation (circular)
-                return a[order]
-            real = (order >= 0).reshape(-1, *(1,) * (a.ndim - 1))
-            return jnp.where(real, a[np.maximum(order, 0)], jnp.zeros((), a.dtype))
+        def restack(a, is_stacked):
+            return restack_rows(a, self.layer_order(n or a.shape[0]), inverse) if is_stacked else a
 
         return stacked, restack
 

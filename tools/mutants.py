@@ -374,7 +374,7 @@ MUTANTS = [
       ["tests/test_generate.py::test_sampling_rules"]),
 
     # -- checkpoints and the data state ------------------------------------------------------------------
-    M("ck-layer-order-inverse-swapped", "checkpoint", "jaxpar/trainer.py",
+    M("ck-layer-order-inverse-swapped", "checkpoint", "jaxpar/layers/stack.py",
       "return a[layer_positions(order)]", "return a[np.maximum(order, 0)]",
       ["tests/test_untested_configs.py::test_circular_layout_imports_and_exports_hugging_face_in_layer_order",
        "tests/test_pipeline.py::test_circular_pipeline_whose_storage_order_is_not_its_own_inverse[interleaved_1f1b_moe]"],

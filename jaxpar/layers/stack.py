@@ -67,6 +67,17 @@ def layer_positions(order: np.ndarray) -> np.ndarray:
     return real[np.argsort(order[real])]
 
 
+def restack(a, order: np.ndarray, inverse: bool = False):
+    """The rows of a stacked ``a`` from layer order to the storage ``order`` (:func:`storage_order`; its
+    padding rows zero), or back to layer order (``inverse``: the padding left out)."""
+    if inverse:
+        return a[layer_positions(order)]
+    if np.all(order >= 0):  # a permutation (circular)
+        return a[order]
+    real = (order >= 0).reshape(-1, *(1,) * (np.ndim(a) - 1))
+    return jnp.where(real, a[np.maximum(order, 0)], jnp.zeros((), a.dtype))
+
+
 def uneven_groups(n_stored: int | None = None) -> tuple[int, ...] | None:
     """The layers of each pipeline group when the active layout's stages are uneven (its resolved
     ``parallel.stage_layers``, which the trainer sets from the model's layer count), else None. With
@@ -97,8 +108,7 @@ def to_storage(rows, n: int):
     order = storage_order(n, rules.axis_size("pipe"), rules.parallel.pipeline_repeats, uneven_groups())
     if np.array_equal(order, np.arange(n)):
         return rows
-    idx, real = np.maximum(order, 0), order >= 0
-    return jax.tree.map(lambda a: jnp.where(real.reshape(-1, *(1,) * (a.ndim - 1)), a[idx], 0), rows)
+    return jax.tree.map(lambda a: restack(a, order), rows)
 
 
 def loss_in_pipeline() -> bool:
@@ -157,16 +167,15 @@ class Stack:
         order = None if np.array_equal(order, np.arange(stored)) else order
         if not self.per_layer and counts is None:
             return graphdef, state, order
-        at, real = (np.arange(n), True) if order is None else (np.maximum(order, 0), order >= 0)
         values = {}
         for k, v in self.per_layer.items():
             v = np.asarray(v, np.float32)
             if v.shape != (n,):
                 raise ValueError(f"Stack(per_layer={{{k!r}: ...}}) needs one value per layer ({n}); got shape "
                                  f"{v.shape}")
-            values[k] = jnp.asarray(np.where(real, v[at], 0))
+            values[k] = jnp.asarray(v if order is None else restack(v, order))
         if counts is not None:
-            values[_ACTIVE] = jnp.asarray(real, np.float32)
+            values[_ACTIVE] = jnp.asarray(order >= 0, np.float32)
         return graphdef, (state, values), order
 
     def _stage_fn(self, graphdef, args, with_values: bool):
@@ -265,6 +274,5 @@ def _in_layer_order(ys, order):
     """Per-layer outputs ``[stored, ...]`` in storage order -> layer order, the padding left out."""
     if ys is None or order is None:
         return ys
-    pos = jnp.asarray(layer_positions(order))
-    return jax.tree.map(lambda a: a[pos], ys)
+    return jax.tree.map(lambda a: restack(a, order, inverse=True), ys)
 
