@@ -142,15 +142,43 @@ def stage_layers(cfg, sizes: dict) -> int:
     return max(layer_groups(stacked, s_, r_, par.stage_layer_list())) * every
 
 
-def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
-            param_bytes: int = 4) -> list[Term]:
-    """Every collective of one train step of ``cfg`` on a mesh of ``sizes``, per device."""
+@dataclass
+class Runs:
+    """How often one train step runs each part of the model, per device (:func:`step_runs`): ``fwd`` / ``bwd`` /
+    ``redo`` layer runs (forward, backward, and the forward again under remat) on ``layer_rows`` sequences
+    each; ``moe_*`` the MoE layers' share; ``head`` / ``lookup`` the loss head's and the embedding lookup's runs
+    on ``head_rows`` sequences (per microstep: times ``k``); ``iters`` the pipeline's iterations per microstep."""
+
+    k: int
+    rows: int
+    layer_rows: int
+    head_rows: int
+    tl: int
+    pipelined: bool
+    f1b: bool
+    microbatches: int
+    iters: int
+    f1b_iters: int
+    f1b_steady: int
+    lpg: int
+    lead: int
+    fwd: float
+    bwd: float
+    redo: float
+    moe_fwd: float
+    moe_bwd: float
+    moe_redo: float
+    head: float
+    lookup: float
+    flushes: int = 1  # 1F1B: the embedding's weight gradients taken in the loops (embed_chunk), per microstep
+
+
+def step_runs(cfg, sizes: dict) -> Runs:
+    """The layer, head and lookup runs of one train step of ``cfg`` on a mesh of ``sizes`` (see :class:`Runs`)."""
     m = cfg.model.resolved()
     par, tr = cfg.parallel, cfg.train
-    big = lambda axes: tuple(a for a in axes if sizes[a] > 1)  # noqa: E731
     k = tr.grad_accum
     rows = tr.batch_size // k // (sizes["data"] * sizes["expert"])
-    tl, d = m.seq_len // sizes["seq"], m.d_model
     s_, r_ = sizes["pipe"], par.pipeline_repeats
     pipelined = s_ > 1
     f1b = pipelined and par.pipeline_schedule == "1f1b"
@@ -162,8 +190,6 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     moe_model = m.arch == "moe"
     every, lead = (cfg.moe.every, cfg.moe.first_dense) if moe_model else (1, 0)
     layer_runs = k * (iters * lpg if pipelined else m.n_layers)
-    head_rows = rows  # the embedding and head: on the whole batch (on every stage, inside a pipeline)
-    remat = m.remat
     # forward, backward and recompute runs of a layer (the layer collectives are counted per run)
     fwd_runs = bwd_runs = layer_runs
     # 1F1B: iterations, and those of the steady loop (a backward each); interleaved (R > 1) each runs a chunk
@@ -171,7 +197,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the chunk for its backward
         bwd_runs = k * f1b_steady * lpg
         fwd_runs = k * f1b_iters * lpg + bwd_runs
-    redo_runs = bwd_runs if remat != "none" else 0
+    redo_runs = bwd_runs if m.remat != "none" else 0
     # a MoE model's MoE-layer runs: one layer in `every` of the stack (all of it but the dense first layers)
     moe_runs = ((lambda runs: runs // every) if pipelined else
                 (lambda runs: runs * cfg.moe.groups(m.n_layers) // m.n_layers) if moe_model else (lambda runs: 0))
@@ -182,11 +208,32 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         lead_bwd = k * (f1b_steady if f1b else iters) * lead
         fwd_runs += k * (f1b_iters if f1b else iters) * lead + (lead_bwd if f1b else 0)
         bwd_runs += lead_bwd
-        redo_runs += lead_bwd if remat != "none" else 0
+        redo_runs += lead_bwd if m.remat != "none" else 0
     # the head / loss and the lookup run on the whole microstep batch, or per microbatch inside 1F1B's loops
     # (the loss in each steady iteration, the lookup in each forward)
-    head_runs = f1b_steady / mb_ if f1b else 1.0
-    lookup_runs = f1b_iters / mb_ if f1b else 1.0
+    from jaxpar.layers.pipeline import embed_chunk
+
+    return Runs(k, rows, layer_rows, rows, m.seq_len // sizes["seq"], pipelined, f1b, mb_, iters, f1b_iters,
+                f1b_steady, lpg, lead, fwd_runs, bwd_runs, redo_runs, moe_fwd, moe_bwd, moe_redo,
+                f1b_steady / mb_ if f1b else 1.0, f1b_iters / mb_ if f1b else 1.0,
+                mb_ // embed_chunk(s_, mb_, r_) if f1b else 1)
+
+
+def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
+            param_bytes: int = 4) -> list[Term]:
+    """Every collective of one train step of ``cfg`` on a mesh of ``sizes``, per device."""
+    m = cfg.model.resolved()
+    par = cfg.parallel
+    big = lambda axes: tuple(a for a in axes if sizes[a] > 1)  # noqa: E731
+    ru = step_runs(cfg, sizes)
+    k, layer_rows, head_rows, tl, d = ru.k, ru.layer_rows, ru.head_rows, ru.tl, m.d_model
+    r_ = par.pipeline_repeats
+    pipelined, f1b, iters, lpg, lead = ru.pipelined, ru.f1b, ru.iters, ru.lpg, ru.lead
+    f1b_iters, f1b_steady = ru.f1b_iters, ru.f1b_steady
+    fwd_runs, bwd_runs, redo_runs = ru.fwd, ru.bwd, ru.redo
+    moe_fwd, moe_bwd, moe_redo = ru.moe_fwd, ru.moe_bwd, ru.moe_redo
+    remat = m.remat
+    head_runs, lookup_runs = ru.head, ru.lookup
     terms: list[Term] = []
 
     def add(kind, axes, count, result, what):
@@ -213,6 +260,13 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
                 loops = k * (f1b_steady if f1b else iters)  # reduced in each iteration that takes its backward
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
+        lookup = leaf.names in (("vocab", "embed"), ("positions", "embed"))
+        if ru.flushes > 1 and lookup:  # 1F1B with M > 2RS: the lookup's weight gradients taken (and reduced)
+            # in the loop every C microbatches (jaxpar.layers.pipeline.embed_chunk), in a conditional, which a
+            # static count (XLA:CPU's flavour) counts in every steady iteration; a tied table's head part as
+            # before (XLA:CPU: in each steady iteration; else once)
+            loops = k * (f1b_steady if platform == "cpu" else ru.flushes) + tied_table * (
+                k * f1b_steady if platform == "cpu" else 1)
         # a dot contracting batch and sequence dims reduces over each split apart on XLA:CPU; weights
         # used inside a shard_map (the table's lookup, the head's loss, MoE router and experts, the
         # tensor-split matmuls of Megatron-SP) are reduced over all the token axes at once by its transpose

@@ -2,12 +2,16 @@
 
     python -m jaxpar.plan --config configs/llama_1b.yaml --cluster h200x8 --nodes 4
     python -m jaxpar.plan --config configs/default.yaml --cluster cpu --nodes 1 --check 3
+    python -m jaxpar.plan --config configs/gpt3_175b.yaml --cluster h100x8 --nodes 128 --explain
+    python -m jaxpar.plan --config configs/default.yaml --calibrate runs/default
 
-Every layout of the cluster's devices over ``data x pipe x expert x seq x tensor`` (sizes dividing the
-device count), with ZeRO 0/1/3, remat none/full and, with pipes, ``M = S, 2S, 4S`` microbatches and the
-GPipe or 1F1B schedule, is
-checked with train.py's own checks (divisibility of heads, layers, batch, ...), estimated, dropped
-when it does not fit the device memory, and ranked by estimated step time. The model, per device:
+The search space: every mesh of the cluster's devices over ``data x pipe x expert x seq x tensor``
+(sizes dividing the device count), ZeRO 0/1/3, every remat policy, Megatron-SP, gradient accumulation
+(the fewest microsteps that fit) and, with a pipeline, GPipe or 1F1B, interleaved / circular repeats R and
+microbatch counts M from S up to one sequence per microbatch (:func:`options`). A first pass tries a few
+options on every mesh; the fastest meshes are then searched whole (:meth:`Planner.plan`). Each layout is
+checked with train.py's own checks (divisibility of heads, layers, batch, ...), estimated, dropped when
+it does not fit the device memory, and ranked by estimated step time. The model, per device:
 
 * **state** (exact): each parameter's bytes over the mesh axes its ``params`` / ``opt`` layout splits
   it on (the rules of :mod:`jaxpar.partitioning`, the same as a run's), AdamW's two float32 moments;
@@ -31,19 +35,19 @@ when it does not fit the device memory, and ranked by estimated step time. The m
   a GPipe pipeline keeps ``(M R + S - 1) / (M R)`` times its stage's share; 1F1B keeps the stage
   inputs of ``min(M, 2S - 1)`` microbatches (interleaved: ``min(M R, 2RS - 1)`` chunk inputs) and one
   microbatch's stage (chunk) activations while its backward runs, and the first stage's input
-  gradients (``tokens x d``). Plus the loss chunk's float32 logits
-  and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded vocabulary); a pipeline's chunks
-  are at most one microbatch. The loss runs between the layers' forward and backward: the total
-  counts the larger of the logits and one layer's working set, not both (1F1B: both).
+  gradients of ``C`` microbatches (:func:`jaxpar.layers.pipeline.embed_chunk`: all M up to 2RS).
+  Plus the loss chunk's float32 logits and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded
+  vocabulary); a pipeline's chunks are at most one microbatch. The loss runs between the layers' forward
+  and backward: the total counts the larger of the logits and one layer's working set, not both (1F1B: both).
 * **communication**: :func:`jaxpar.comm.traffic` (the analytic model that tests hold to the compiled
   HLO), per mesh-axis group; a group whose devices span nodes (the mesh fills the innermost axis,
   ``tensor``, first) moves at the inter-node bandwidth, else the intra-node one.
-* **compute**: model flops (:mod:`jaxpar.flops`) per device, plus the recomputed forward
-  (``full``: one more forward, 1/3 of the step; the other policies the share of a layer's matmuls
-  that produces what they drop, :func:`_recomputed`; 1F1B: one more, its stage recompute) and the pipeline
-  bubble ``(M + S - 1) / M``; at
-  ``efficiency`` x peak (default 0.5).
-* **time**: compute + communication, none of it overlapped (an upper bound; the ranking is what is used).
+* **time**: :func:`jaxpar.steptime.step_time`, term by term: the model flops, the recompute (``full``: one
+  more forward; the other policies the share of a layer's matmuls that produces what they drop,
+  :func:`_recomputed`; 1F1B: one more, its stage recompute), the pipeline's bubble as its lock-step
+  iterations run it, elementwise work at the HBM bandwidth, and each collective's exposed part (overlaps
+  of gradient reductions, ZeRO-3 gathers, 1F1B's shifts and the ring's hops). ``--explain`` prints the
+  budget of the first choice and the runner-up; ``--calibrate RUN_DIR`` fits the cluster to a real run.
 
 ``--check K`` compiles the train step of the K best layouts ahead of time on simulated CPU devices
 (:mod:`jaxpar.compile`) and prints predicted against compiled memory and collective bytes, both for
@@ -66,34 +70,27 @@ from types import SimpleNamespace
 from jaxpar.cli import COUNT, ArgumentParser, command, number
 from jaxpar.config import Config, ConfigError, Range, validate
 from jaxpar.mesh import AXES
+from jaxpar.steptime import Hardware
 
 GIB = 2**30
 EFFICIENCY = Range(0, 1, lo_open=True)  # the fraction of peak the matmuls reach
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """Devices per node (the fast interconnect's domain), memory, dense bf16 peak and per-device
-    bandwidth one way inside a node and across nodes, in GB/s."""
-
-    name: str
-    per_node: int
-    hbm_gib: float
-    peak_tflops: float
-    intra_gbs: float
-    inter_gbs: float
-
-
 CLUSTERS = {c.name: c for c in (
-    Cluster("h100x8", 8, 80, 989, 450, 50),      # NVLink 4 (900 GB/s both ways), 400 Gb/s InfiniBand per GPU
-    Cluster("h200x8", 8, 141, 989, 450, 50),
-    Cluster("a100x8", 8, 80, 312, 300, 25),      # NVLink 3, 200 Gb/s HDR per GPU
-    Cluster("tpu-v4", 4, 32, 275, 150, 6.25),    # per host of 4 chips: ICI inside the slice, DCN between
-    Cluster("tpu-v5e", 4, 16, 197, 100, 6.25),
-    Cluster("tpu-v5p", 4, 95, 459, 300, 6.25),
-    Cluster("tpu-v6e", 4, 32, 918, 224, 6.25),
-    Cluster("cpu", 8, 3, 0.05, 5, 5),             # simulated devices on one host (for --check)
+    # NVLink 4 (900 GB/s both ways), 400 Gb/s InfiniBand per GPU, HBM3 3.35 TB/s, PCIe 5 to the host
+    Hardware("h100x8", 8, 80, 989, 360, 45, hbm_gbs=3350, host_gbs=50),
+    Hardware("h200x8", 8, 141, 989, 360, 45, hbm_gbs=4800, host_gbs=50),
+    # NVLink 3, 200 Gb/s HDR per GPU, HBM2e 2.0 TB/s, PCIe 4
+    Hardware("a100x8", 8, 80, 312, 235, 22, hbm_gbs=2039, host_gbs=25),
+    # per host of 4 chips: ICI inside the slice, DCN between
+    Hardware("tpu-v4", 4, 32, 275, 150, 6.25, hbm_gbs=1200, intra_us=5, inter_us=50),
+    Hardware("tpu-v5e", 4, 16, 197, 100, 6.25, hbm_gbs=819, intra_us=5, inter_us=50),
+    Hardware("tpu-v5p", 4, 95, 459, 300, 6.25, hbm_gbs=2765, intra_us=5, inter_us=50),
+    Hardware("tpu-v6e", 4, 32, 918, 224, 6.25, hbm_gbs=1640, intra_us=5, inter_us=50),
+    # simulated devices on one host (for --check and --calibrate's CPU runs)
+    Hardware("cpu", 8, 3, 0.05, 5, 5, hbm_gbs=20, host_gbs=5, intra_us=50, inter_us=50, efficiency=0.5),
 )}
+Cluster = Hardware  # the name the planner's callers know
 
 
 @dataclass
@@ -101,6 +98,7 @@ class Estimate:
     overrides: dict
     memory: dict = field(default_factory=dict)      # bytes per device by part, and "total"
     comm: dict = field(default_factory=dict)        # {axes label: wire bytes per device per step}
+    budget: dict = field(default_factory=dict)      # {term: seconds per step} (jaxpar.steptime), "step" their sum
     comm_seconds: float = 0.0
     compute_seconds: float = 0.0
     bubble: float = 1.0
@@ -126,30 +124,66 @@ def _factorizations(n: int, k: int):
             yield (d, *rest)
 
 
-def layouts(n: int, pipe_ok: bool = True, moe: bool = False):
-    """Every ``parallel.*`` + ``model.remat`` override set for ``n`` devices."""
+def meshes(n: int, moe: bool = False):
+    """Every ``parallel.*`` axis size set for ``n`` devices (``expert`` only for a MoE model)."""
     for sizes in _factorizations(n, len(AXES)):
-        par = dict(zip(AXES, sizes))
-        if (par["pipe"] > 1 and not pipe_ok) or (par["expert"] > 1 and not moe):
+        if sizes[AXES.index("expert")] > 1 and not moe:
             continue
-        for zero, remat in itertools.product((0, 1, 3), ("none", "full")):
-            if zero and par["data"] * par["expert"] * par["seq"] == 1:
-                continue  # nothing to shard over
-            mbs = [par["pipe"] * f for f in (1, 2, 4)] if par["pipe"] > 1 else [0]
-            for mb, sched in itertools.product(mbs, ("gpipe", "1f1b") if par["pipe"] > 1 else ("gpipe",)):
-                yield {**{f"parallel.{a}": v for a, v in par.items()}, "parallel.zero": zero,
-                       "parallel.microbatches": mb, "model.remat": remat,
-                       **({"parallel.pipeline_schedule": sched} if par["pipe"] > 1 else {})}
+        yield dict(zip(AXES, sizes))
+
+
+REMATS = ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full", "offload")
+
+
+def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase: str = "all"):
+    """The option sets of one mesh, each a list of overrides with ``train.grad_accum`` (k) left to the caller's
+    search: ``parallel.zero`` 0/1/3 (1 and 3 with an axis that splits the batch), every ``model.remat`` policy
+    (``offload`` off CPU), ``parallel.megatron_sp`` with ``tensor``; with a pipeline the GPipe or 1F1B schedule,
+    ``pipeline_repeats`` R (divisors of the stage's layers up to 4) and, for each k, the microbatch counts M
+    from S up to one sequence per microbatch (S 2^i and the largest). ``phase="first"``: the few a first pass
+    over every mesh tries (every ZeRO stage, remat none and full, 1F1B, R = 1 and the largest, the smallest and
+    largest M)."""
+    dp = sizes["data"] * sizes["expert"]
+    s_ = sizes["pipe"]
+    first = phase == "first"
+    zeros = (0, 1, 3) if dp * sizes["seq"] > 1 else (0,)
+    remats = ("none", "full") if first else tuple(r for r in REMATS if r != "offload" or platform != "cpu")
+    sps = (False, True) if sizes["tensor"] > 1 and not first else (False,)
+    per_stage = n_layers // s_ if s_ > 1 and n_layers % s_ == 0 else 1
+    repeats = (1,) if s_ == 1 else tuple(r for r in (1, 2, 3, 4) if per_stage % r == 0)
+    repeats = repeats[:1] + repeats[-1:][: len(repeats) > 1] if first else repeats  # first: 1 and the most
+    scheds = ("gpipe",) if s_ == 1 else (("1f1b",) if first else ("gpipe", "1f1b"))
+    for zero, remat, sp, sched, r_ in itertools.product(zeros, remats, sps, scheds, repeats):
+        base = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": zero, "model.remat": remat,
+                "parallel.megatron_sp": sp}
+        if s_ > 1:
+            base.update({"parallel.pipeline_schedule": sched, "parallel.pipeline_repeats": r_})
+
+        def micro(k: int, base=base, r_=r_):
+            """The microbatch counts of k accumulation microsteps."""
+            if s_ == 1:
+                return [0]
+            rows = batch // k
+            ms = [m for m in range(s_, rows + 1)
+                  if rows % m == 0 and (rows // m) % dp == 0 and (r_ == 1 or m % s_ == 0)]
+            if not ms or first:
+                return ms[:1] + ms[-1:][: len(ms) > 1]
+            return sorted({ms[0], ms[-1], *(m for m in ms if m % s_ == 0 and (m // s_) & (m // s_ - 1) == 0)})
+
+        yield base, micro
 
 
 class Planner:
     """Estimates layouts of ``cfg``'s model and batch on ``nodes`` nodes of ``cluster``."""
 
-    def __init__(self, cfg: Config, cluster: Cluster, nodes: int = 1, efficiency: float = 0.5,
+    def __init__(self, cfg: Config, cluster: Hardware, nodes: int = 1, efficiency: float | None = None,
                  platform: str = "gpu"):
+        if efficiency is None:
+            efficiency = cluster.efficiency
         if nodes < 1 or efficiency not in EFFICIENCY:
             raise ConfigError(f"Planner(nodes={nodes}, efficiency={efficiency}): nodes >= 1, efficiency in (0, 1]")
-        self.cfg, self.cluster, self.nodes = cfg, cluster, nodes
+        self.cluster, self.nodes = cluster.with_(efficiency=efficiency), nodes
+        self.cfg = cfg
         self.n = cluster.per_node * nodes
         self.efficiency, self.platform = efficiency, platform
         self._models: dict[int, tuple] = {}
@@ -159,7 +193,9 @@ class Planner:
         par = dataclasses.replace(self.cfg.parallel, **{k.split(".")[1]: v for k, v in overrides.items()
                                                           if k.startswith("parallel.")})
         model = dataclasses.replace(self.cfg.model, remat=overrides.get("model.remat", self.cfg.model.remat))
-        return dataclasses.replace(self.cfg, parallel=par, model=model)
+        train = dataclasses.replace(self.cfg.train, grad_accum=overrides.get("train.grad_accum",
+                                                                             self.cfg.train.grad_accum))
+        return dataclasses.replace(self.cfg, parallel=par, model=model, train=train)
 
     def _model(self, cfg: Config, tensor: int) -> tuple:
         """(abstract params, logical names) of the model at this tensor size (the vocabulary padding)."""
@@ -185,7 +221,7 @@ class Planner:
     def estimate(self, overrides: dict) -> Estimate:
         import jax.numpy as jnp
 
-        from jaxpar import comm, flops
+        from jaxpar import comm, flops, steptime
         from jaxpar.layers.precision import compute_dtype
         from jaxpar.partitioning import make_rules, stack_slots
 
@@ -220,7 +256,7 @@ class Planner:
         mem["grads"] = per_device("opt" if scattered else "compute", pb)
         if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
             mem["grads"] += per_device("opt", pb)
-        mem["activations"], mem["logits"], apart = self._activations(cfg, sizes, ab)
+        mem["activations"], mem["logits"], apart, per_token = self._activations(cfg, sizes, ab)
         if m.remat == "none" and sizes["pipe"] == 1:  # the backward reads each layer's weights as its
             # matmuls took them, cast or annotated: a copy of the stack in the compute dtype (a pipeline
             # stage selects its layers again in the backward, jaxpar.layers.remat.select_remat)
@@ -231,16 +267,17 @@ class Planner:
         terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
         for term in terms:  # wire bytes by mesh-axis group, whatever the collective
             est.comm[term.label] = est.comm.get(term.label, 0.0) + term.wire_bytes
-        est.comm_seconds = sum(b / (self._bandwidth(label, sizes) * 1e9) for label, b in est.comm.items())
         s_, mb = sizes["pipe"], par.microbatches or sizes["pipe"]
-        est.bubble = (mb + s_ - 1) / mb if s_ > 1 else 1.0
-        model = flops.model_flops_per_step(cfg) / self.n
-        # extra forwards: the remat policy's share of one, and 1F1B's recompute of each stage
-        recompute = _recomputed(cfg) + (s_ > 1 and par.pipeline_schedule == "1f1b")
-        work = model * (1 + recompute / 3) * est.bubble
-        est.compute_seconds = work / (self.cluster.peak_tflops * 1e12 * self.efficiency)
-        est.step_seconds = est.compute_seconds + est.comm_seconds
-        est.mfu = model / (est.step_seconds * self.cluster.peak_tflops * 1e12)
+        r_ = par.pipeline_repeats
+        est.bubble = (mb * r_ + s_ - 1) / (mb * r_) if s_ > 1 else 1.0
+        est.budget = steptime.step_time(cfg, sizes, terms, comm.step_runs(cfg, sizes), self.cluster, self.nodes,
+                                        recompute_share=_recomputed(cfg), kernel=per_token["kernel"],
+                                        kept_bytes=per_token["kept"], saved_bytes=per_token["saved"],
+                                        opt_params=per_device("opt", 1), n_devices=self.n)
+        est.step_seconds = est.budget["step"]
+        est.comm_seconds = sum(v for k, v in est.budget.items() if k.startswith("comm "))
+        est.compute_seconds = sum(est.budget[k] for k in ("compute", "recompute", "bubble", "overhead"))
+        est.mfu = flops.model_flops_per_step(cfg) / self.n / (est.step_seconds * self.cluster.peak_tflops * 1e12)
         return est
 
     def _bandwidth(self, label: str, sizes: dict) -> float:
@@ -251,8 +288,10 @@ class Planner:
         span = math.prod(sizes[a] for a in AXES[outer:])  # consecutive devices the group reaches
         return self.cluster.inter_gbs if span > self.cluster.per_node and self.nodes > 1 else self.cluster.intra_gbs
 
-    def _activations(self, cfg: Config, sizes: dict, ab: int) -> tuple[float, float, float]:
-        """(activations, the loss chunk's logits, the bytes of the two that are never live together)."""
+    def _activations(self, cfg: Config, sizes: dict, ab: int) -> tuple[float, float, float, dict]:
+        """(activations, the loss chunk's logits, the bytes of the two that are never live together, per token
+        and layer: ``kept`` the bytes a layer writes without remat, ``saved`` the matmul outputs ``offload``
+        moves, and the attention ``kernel``)."""
         import jax.numpy as jnp
 
         from jaxpar import comm
@@ -302,8 +341,12 @@ class Planner:
         if f1b:
             m_ = par.microbatches or s_
             r_ = par.pipeline_repeats  # interleaved: the stash holds chunk inputs, a backward recomputes a chunk
+            from jaxpar.layers.pipeline import embed_chunk
+
+            # the stash, one chunk's activations and working set, and the first stage's input gradients kept
+            # for the embedding's weight gradient (C microbatches' of them)
             act = (min(m_ * r_, 2 * r_ * s_ - 1) * micro * d + layers // r_ * micro * stored
-                   + micro * working + tokens * d) * ab
+                   + micro * working + embed_chunk(s_, m_, r_) * micro * d) * ab
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last), its gradient, and the embedding's output gradient
             act += 3 * tokens * d * ab
@@ -316,25 +359,85 @@ class Planner:
         # working set in the backward are never live together (1F1B: the loss and a stage's backward
         # share an iteration)
         apart = 0.0 if f1b else min(logits, micro * working * ab)
-        return act, logits, apart
+        from jaxpar.layers.remat import MATMULS
 
-    def plan(self) -> tuple[list[Estimate], list[tuple[dict, str]]]:
-        """(layouts that fit, fastest first; rejected layouts with the reason)."""
-        ok, rejected = [], []
+        per_token = {"kept": kept * ab, "saved": sum(named.get(x, 0.0) for x in MATMULS) * ab, "kernel": kernel}
+        return act, logits, apart, per_token
+
+    def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
+        """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit
+        (more only add time: ZeRO-3 gathers, a pipeline's bubble per microstep, a smaller overlap window), each
+        of its microbatch counts M at that k; what does not fit or pass the checks goes to ``rejected``."""
         limit = self.cluster.hbm_gib * GIB
-        for ov in layouts(self.n, moe=self.cfg.model.arch == "moe"):
-            try:
-                est = self.estimate(ov)
+        dp = base["parallel.data"] * base["parallel.expert"]
+        batch = self.cfg.train.batch_size
+        for k in (k for k in range(1, batch // dp + 1) if batch % k == 0 and (batch // k) % dp == 0):
+            found, smaller = [], False
+            for mb in micro(k):
+                ov = {**base, "parallel.microbatches": mb, "train.grad_accum": k}
+                try:
+                    est = self.estimate(ov)
+                except ConfigError as e:
+                    rejected.append((ov, str(e)))
+                    continue
+                if est.memory["total"] > limit:
+                    rejected.append((ov, f"needs {est.memory['total'] / GIB:.1f} GiB per device "
+                                         f"(> {self.cluster.hbm_gib:g} GiB)"))
+                    smaller = True
+                else:
+                    found.append(est)
+            if found or not smaller:  # fits, or fails the checks for another reason than memory
+                return found
+        return []
+
+    def plan(self, expand: int = 6) -> tuple[list[Estimate], list[tuple[dict, str]]]:
+        """(layouts that fit, fastest first; rejected layouts with the reason). A first pass tries a few
+        options (:func:`options`, ``phase="first"``) on every mesh; the ``expand`` meshes fastest in it, and
+        any within 10% of the fastest, then try every option: the search space is the product, the time
+        spent the first pass (a few estimates per mesh) and the expanded meshes' products."""
+        m = self.cfg.model
+        batch, layers = self.cfg.train.batch_size, (self.cfg.moe.groups(m.n_layers) if m.arch == "moe"
+                                                    else m.n_layers)
+        ok: list[Estimate] = []
+        rejected: list[tuple[dict, str]] = []
+        best: dict[tuple, float] = {}
+        for sizes in meshes(self.n, moe=m.arch == "moe"):
+            try:  # the mesh's own checks (heads, layers, batch), once
+                self.check_mesh(sizes)
             except ConfigError as e:
-                rejected.append((ov, str(e)))
+                rejected.append(({f"parallel.{a}": v for a, v in sizes.items()}, str(e)))
                 continue
-            if est.memory["total"] > limit:
-                rejected.append((ov, f"needs {est.memory['total'] / GIB:.1f} GiB per device "
-                                     f"(> {self.cluster.hbm_gib:g} GiB)"))
-            else:
-                ok.append(est)
+            for base, micro in options(sizes, batch, layers, self.platform, "first"):
+                for est in self.fitting(base, micro, rejected):
+                    ok.append(est)
+                    key = tuple(sizes.values())
+                    best[key] = min(best.get(key, math.inf), est.step_seconds)
+        ranked = sorted(best, key=best.get)
+        top = min(best.values(), default=math.inf)
+        seen = {_key(e.overrides) for e in ok}
+        for key in [x for i, x in enumerate(ranked) if i < expand or best[x] <= 1.1 * top]:
+            sizes = dict(zip(AXES, key))
+            for base, micro in options(sizes, batch, layers, self.platform):
+                for est in self.fitting(base, micro, rejected):
+                    if _key(est.overrides) not in seen:
+                        seen.add(_key(est.overrides))
+                        ok.append(est)
         ok.sort(key=lambda e: (e.step_seconds, e.memory["total"]))
         return ok, rejected
+
+    def check_mesh(self, sizes: dict) -> None:
+        """train.py's checks of the model on a mesh, whatever the options (ConfigError naming the reason)."""
+        from jaxpar.partitioning import check_model_fits
+
+        cfg = self.config({f"parallel.{a}": v for a, v in sizes.items()})
+        check_model_fits(cfg.model, cfg.parallel, sizes, *cfg.moe.stacking(cfg.model.arch))
+        if self.cfg.train.batch_size % (sizes["data"] * sizes["expert"]):
+            raise ConfigError(f"train.batch_size={self.cfg.train.batch_size} is not divisible by the batch-parallel "
+                              f"size data*expert={sizes['data'] * sizes['expert']}")
+
+
+def _key(ov: dict) -> tuple:
+    return tuple(sorted(ov.items()))
 
 
 def _recomputed(cfg: Config) -> float:
@@ -359,19 +462,26 @@ def describe(ov: dict) -> str:
     par = " x ".join(f"{k.split('.')[1]}={v}" for k, v in ov.items()
                      if k.split(".")[1] in AXES and v > 1) or "one device"
     extra = [f"zero={ov['parallel.zero']}", f"remat={ov['model.remat']}"]
+    if ov.get("parallel.megatron_sp"):
+        extra.append("megatron_sp")
+    if ov.get("train.grad_accum", 1) > 1:
+        extra.append(f"k={ov['train.grad_accum']}")
     if ov.get("parallel.microbatches"):
         extra.append(f"M={ov['parallel.microbatches']}")
     if ov.get("parallel.pipeline_schedule", "gpipe") != "gpipe":
         extra.append(ov["parallel.pipeline_schedule"])
+    if ov.get("parallel.pipeline_repeats", 1) > 1:
+        extra.append(f"R={ov['parallel.pipeline_repeats']}")
     return f"{par} ({', '.join(extra)})"
 
 
 LEGEND = """\
 mem GiB: per-device memory estimate (state + activations + loss logits + update temporaries); state: parameters,
   gradients and AdamW moments as sharded; act: activations kept for the backward; bubble: the pipeline's idle
-  fraction (S-1)/(M R+S-1), as the training log prints it; step s: estimated seconds per step (compute at
-  --efficiency of peak plus communication, nothing overlapped); MFU: model flops over peak at that step time;
-  comm: GiB per device per step on the wire, by the mesh axes a collective spans."""
+  fraction (S-1)/(M R+S-1), as the training log prints it; step s: estimated seconds per step (jaxpar.steptime:
+  compute at --efficiency of peak, recompute, bubble, elementwise work, communication not overlapped; --explain
+  prints the terms); MFU: model flops over peak at that step time; comm: GiB per device per step on the wire,
+  by the mesh axes a collective spans; k: accumulation microsteps; M: microbatches; R: chunks per stage."""
 
 
 def table(ests: list[Estimate], width: int = 120) -> str:
@@ -398,11 +508,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default="h100x8", help=f"one of {', '.join(CLUSTERS)}")
     ap.add_argument("--nodes", type=COUNT, default=1, help="nodes of the cluster (>= 1)")
     ap.add_argument("--top", type=COUNT, default=10, help="layouts to print (>= 1)")
-    ap.add_argument("--efficiency", type=number(float, EFFICIENCY), default=0.5,
-                    help="fraction of peak the matmuls reach, in (0, 1] (default 0.5)")
+    ap.add_argument("--efficiency", type=number(float, EFFICIENCY), default=None,
+                    help="fraction of peak the matmuls reach, in (0, 1] (default: the cluster's, 0.68 on GPUs: "
+                         "fitted to Megatron-LM's published runs)")
     ap.add_argument("--rejected", action="store_true", help="also print every rejected layout and why")
     ap.add_argument("--check", type=number(int, Range(0), "0 = none"), default=0,
                     help="compile the K best on simulated CPU devices and compare (0 = none)")
+    ap.add_argument("--explain", action="store_true",
+                    help="say why the first choice and the runner-up: what each axis splits, what fits only "
+                         "because of ZeRO / remat / a pipeline, the collectives across nodes, the time by term")
+    ap.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR",
+                    help="fit the cluster's efficiency and bandwidths to a train.py run of it (repeatable: "
+                         "one run fits one factor, three fit compute, memory and communication apart)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the model and batch")
     a = ap.parse_intermixed_args(argv)
     from jaxpar.config import load_config
@@ -412,9 +529,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--cluster {a.cluster!r}: choose one of {', '.join(CLUSTERS)}")
         for o in a.overrides:  # the keys the planner chooses itself: an override of them would be dropped
             key = o.split("=", 1)[0]
-            if key.startswith("parallel.") or key == "model.remat":
-                raise ConfigError(f"{o}: the planner chooses the parallel layout and model.remat itself; give "
-                                  "overrides of the model and batch only")
+            if key.startswith("parallel.") or key in ("model.remat", "train.grad_accum"):
+                raise ConfigError(f"{o}: the planner chooses the parallel layout, model.remat and train.grad_accum "
+                                  "itself; give overrides of the model and batch only")
         if a.check:  # before JAX starts: as many simulated devices as the cluster has
             import jax
 
@@ -427,7 +544,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--check: {e}") from None
         cfg = load_config(a.config, a.overrides)
         cfg = dataclasses.replace(cfg, parallel=type(cfg.parallel)())
-        planner = Planner(cfg, CLUSTERS[a.cluster], a.nodes, a.efficiency)
+        cluster, platform = CLUSTERS[a.cluster], "cpu" if a.cluster == "cpu" else "gpu"
+        if a.calibrate:
+            from jaxpar.plan_report import calibrate
+
+            cluster, lines = calibrate(a.calibrate, cluster.with_(efficiency=a.efficiency or cluster.efficiency),
+                                       platform)
+            print("calibration:\n" + "\n".join(lines) + "\n")
+        planner = Planner(cfg, cluster, a.nodes, None if a.calibrate else a.efficiency, platform=platform)
         ok, rejected = planner.plan()
         if not ok:
             need = min((r for r in rejected if "GiB per device" in r[1]), default=None,
@@ -450,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\nrejected:")
             for ov, why in rejected:
                 print(f"  {describe(ov)}: {why}")
+        if a.explain:
+            from jaxpar.plan_report import explain_plan
+
+            print("\n" + explain_plan(planner, ok))
         if a.check:
             print("\n" + check(cfg, ok[: a.check]))
     except ConfigError as e:

@@ -54,6 +54,14 @@ LAYOUTS = {
     "pipe-1f1b-interleaved": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
                                             parallel__pipeline_schedule="1f1b", parallel__pipeline_repeats=2,
                                             parallel__microbatches=4)),
+    # M > 2S: the embedding's weight gradients taken every C = 2S microbatches in the loop (embed_chunk), tied
+    # (the table's head part reduced apart) and untied
+    "pipe-1f1b-embed-chunks": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2,
+                                             model__n_layers=4, parallel__pipeline_schedule="1f1b",
+                                             parallel__microbatches=8, train__batch_size=16)),
+    "pipe-1f1b-embed-chunks-tied": ("gpt2", dict(parallel__pipe=2, parallel__data=4, model__n_layers=2,
+                                                 parallel__pipeline_schedule="1f1b", parallel__microbatches=8,
+                                                 train__batch_size=32)),
     "pipe-1f1b-moe-tied": ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__expert=2, model__n_layers=4,
                                         model__arch="moe", moe__n_experts=4, parallel__pipeline_schedule="1f1b")),
     # uneven stages (5 layers as 2 + 3; 7 as 3 + 4 under 1F1B): every stage runs the longer stage's slots

@@ -272,6 +272,16 @@ def stash_slots(stages: int, repeats: int = 1) -> int:
     return 2 * repeats * stages - 1
 
 
+def embed_chunk(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Microbatches whose input gradients 1F1B's first stage keeps before it takes the embedding's weight
+    gradient from them: the largest divisor of M not above 2RS (the stash's size), so that they, like the
+    stash, grow with the stages and not with M (Megatron's 1T run: M = 512 microbatches of [2048, 25600]
+    would be 50 GiB). All M (one gradient after the loops) when M <= 2RS; else M / C gradients, each
+    reduced over the batch axes in the loop."""
+    cap = 2 * repeats * stages
+    return max(c for c in range(1, min(microbatches, cap) + 1) if microbatches % c == 0)
+
+
 def _f1b_slot(m, r, stages: int, repeats: int):
     """The forward slot of (microbatch m, chunk r) under 1F1B: its forward runs on stage s at iteration
     slot + s. Interleaved (R > 1), microbatches go in groups of S, each group through chunk 0 of every
@@ -355,6 +365,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     if r_ > 1 and m_ % s_:
         raise ValueError(f"interleaved 1F1B needs the microbatches ({m_}) to be a multiple of the stages ({s_})")
     k_ = stash_slots(s_, r_)
+    c_ = embed_chunk(s_, m_, r_)  # input gradients kept for the embedding's weight gradient
     b = _rows_in(tokens)
     mb = b // m_
     rules = _rules()
@@ -402,12 +413,22 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
 
         c = dict(
             fwd=jnp.zeros(x0.shape, x0.dtype), bwd=jnp.zeros(x0.shape, x0.dtype),
-            stash=jnp.zeros((k_, *x0.shape), x0.dtype), dins=jnp.zeros((m_, *x0.shape), x0.dtype),
+            stash=jnp.zeros((k_, *x0.shape), x0.dtype), dins=jnp.zeros((c_, *x0.shape), x0.dtype),
             dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves],
             douter={i: jnp.zeros(o_leaves[i].shape, o_leaves[i].dtype) for i in outer_used},
             loss=jnp.zeros((), jnp.float32),
             ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None),
         )
+
+        def embed_grads(douter, dins, first, ok):
+            """Stage 0: the embedding's weight gradients of microbatches ``first .. first + C - 1`` at once from
+            their input gradients ``dins``, added to ``douter`` where ``ok``."""
+            n = dins.shape[0]
+            part = jax.tree.map(lambda a: _batch_of(jax.lax.dynamic_slice_in_dim(a, first, n, 0), n * mb,
+                                                    ("batch", "length")), toks)
+            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), part), [o_leaves[i] for i in first_used])
+            grads = vjp(_batch_of(dins, n * mb, act))[0]
+            return add(douter, first_used, [jnp.where(ok, g, 0) for g in grads])
 
         def forward(t, c):
             """Forward slot t - s (:func:`_f1b_slot`: microbatch fm through chunk fr) into the stage (stage 0
@@ -468,8 +489,16 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                 c["douter"] = add(c["douter"], lead_used, [jnp.where(first, d, 0) for d in d_lead])
                 dx = jnp.where(first, de.astype(x0.dtype), dx)
             # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
-            # reduction over the batch axes would run once per microbatch); used on stage 0 only
-            c["dins"] = _put(c["dins"], dx, bmm, b_ok & (br == 0))
+            # reduction over the batch axes would run once per microbatch), or every C microbatches when
+            # M > C (:func:`embed_chunk`); used on stage 0 only
+            c["dins"] = _put(c["dins"], dx, bmm % c_, b_ok & (br == 0))
+            if c_ < m_:  # stage 0 has the input gradients of C more microbatches: at an iteration that is the
+                # same on every device (a function of t only), so that all take the same branch
+                k0 = t - warm - (s_ - 1)
+                m0, r0 = _f1b_unslot(jnp.clip(k0, 0, m_ * r_ - 1), s_, r_)
+                full = (k0 >= 0) & (k0 < m_ * r_) & (r0 == r_ - 1) & (m0 % c_ == c_ - 1)
+                c["douter"] = jax.lax.cond(full, lambda d: embed_grads(d, c["dins"], m0 + 1 - c_, s == 0),
+                                           lambda d: d, c["douter"])
             return c, dx
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
@@ -501,12 +530,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
         c.update(phase({k: c[k] for k in ("fwd", "stash", "ys")}, 0, warm, True, False))
         c = phase(c, warm, n_iters, True, True)
 
-        def embed_grads(douter):  # stage 0: the embedding's weight gradients, over the whole batch at once
-            whole = jax.tree.map(lambda a: _batch_of(a, b, ("batch", "length")), toks)
-            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), whole), [o_leaves[i] for i in first_used])
-            return add(douter, first_used, vjp(_batch_of(c["dins"], b, act))[0])
-
-        douter = _when(s == 0, embed_grads, lambda d: d, c["douter"])
+        douter = c["douter"] if c_ < m_ else _when(s == 0, lambda d: embed_grads(d, c["dins"], 0, True),
+                                                     lambda d: d, c["douter"])
         # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
         # over pipe once (zeros elsewhere)
         douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
