@@ -62,6 +62,9 @@ def _jax():
         os.environ.setdefault(k, v)
     import jax
 
+    from jaxpar.mesh import request_cpu_devices
+
+    request_cpu_devices(DEVICES)  # raises, naming the count, when JAX has already started with another
     if jax.device_count() < DEVICES:
         raise RuntimeError(f"the docs need {DEVICES} simulated devices; JAX started with {jax.device_count()} "
                            f"(set JAX_NUM_CPU_DEVICES={DEVICES} before JAX starts)")
@@ -94,10 +97,6 @@ def trainer(name: str):
 def compiled(name: str) -> dict:
     """``Trainer.compile()``'s report of the layout's train step."""
     return trainer(name).compile()
-
-
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.3f}"
 
 
 def _kib(b: float) -> str:
@@ -191,8 +190,8 @@ def memory_rows(name: str) -> list[tuple[str, int]]:
 
 
 def memory_table(name: str) -> str:
-    out = ["| part | MiB per device |", "|---|---:|"]
-    out += [f"| {part} | {_mib(b)} |" for part, b in memory_rows(name)]
+    out = ["| part | KiB per device |", "|---|---:|"]
+    out += [f"| {part} | {_kib(b)} |" for part, b in memory_rows(name)]
     return f"Memory per device (`{layout_text(name)}`; `memory_analysis()` of the compiled step):\n\n" + "\n".join(out)
 
 
@@ -200,11 +199,12 @@ def memory_compare(*names: str) -> str:
     """One memory table with a column per layout."""
     rows = {n: memory_rows(n) for n in names}
     parts = [p for p, _ in rows[names[0]]]
-    out = ["| MiB per device | " + " | ".join(f"`{layout_text(n)}`" for n in names) + " |",
+    out = ["| KiB per device | " + " | ".join(f"`{layout_text(n)}`" for n in names) + " |",
            "|---|" + "---:|" * len(names)]
     for i, part in enumerate(parts):
-        out.append(f"| {part} | " + " | ".join(_mib(rows[n][i][1]) for n in names) + " |")
-    return "\n".join(out)
+        out.append(f"| {part} | " + " | ".join(_kib(rows[n][i][1]) for n in names) + " |")
+    return ("Memory per device (`memory_analysis()` of each compiled step; the state from the trainer's shardings):\n\n"
+            + "\n".join(out))
 
 
 def traffic_compare(*names: str) -> str:
