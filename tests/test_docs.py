@@ -248,3 +248,18 @@ def test_readme_is_a_front_page_that_links_into_the_docs():
     assert links and all((ROOT / link).is_file() for link in links), links
     nav = set(re.findall(r": ([\w/-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M))
     assert {f"docs/{p}" for p in nav if p != "index.md"} - links == set(), "a docs page the README does not link"
+
+
+def test_ci_runs_the_readme_commands_as_written():
+    """.ci/run runs the README's install (command one without its `&& python train.py`) and its test command
+    word for word, so CI installs what a reader installs: the docs extra with the tests, which build the docs."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)\n```", readme, re.M | re.S)
+    one = next(b for b in blocks if b.startswith("python3 -m venv"))
+    two = next(b for b in blocks if "pytest" in b)
+    assert one.endswith(" && python train.py") and ".[hf" not in one and "torch" not in one
+    assert ".[hf,docs]" in two
+    ci = (ROOT / ".ci" / "run").read_text()
+    install = one.removesuffix(" && python train.py").split(" && ", 2)[2]  # after the venv and its activation
+    assert install in ci.splitlines() and two in ci.splitlines()
+    assert ci.index(install) < ci.index(two)
