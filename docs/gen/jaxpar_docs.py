@@ -269,6 +269,47 @@ def mesh_figure(name: str) -> bytes:
     return _png(fig)
 
 
+def placement_figure(name: str, count: int = 3) -> bytes:
+    """The layout's ``count`` largest weights, each drawn as a matrix (its leading dims down, the others
+    across), every element coloured by the set of devices that hold it: one colour per distinct piece."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    jax = _jax()
+    t = trainer(name)
+    names = jax.tree.leaves(t.adapter.axes, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = [(_path_name(p), a, n) for (p, a), n in
+              zip(jax.tree_util.tree_leaves_with_path(t.abstract_state["params"]), names)]
+    leaves = sorted(leaves, key=lambda x: -math.prod(x[1].shape))[:count]
+    fig, axs = plt.subplots(1, len(leaves), figsize=(4.2 * len(leaves), 4.6))
+    cmap = plt.get_cmap("tab20")
+    for ax, (path, a, logical) in zip(np.atleast_1d(axs), leaves):
+        owner = np.zeros(a.shape, dtype=np.int64)  # a bit per device holding the element
+        for dev, index in a.sharding.devices_indices_map(tuple(a.shape)).items():
+            owner[index] |= 1 << dev.id
+        k = max(1, len(a.shape) // 2)
+        grid = owner.reshape(math.prod(a.shape[:k]), -1)
+        groups, codes = np.unique(grid, return_inverse=True)
+        ax.imshow(codes.reshape(grid.shape), cmap=cmap, vmin=0, vmax=19, aspect="auto", interpolation="nearest")
+        ax.set_title(f"{path}\n{tuple(a.shape)}", fontsize=8)
+        ax.set_ylabel(" x ".join(str(n) for n in logical[:k]), fontsize=7)
+        ax.set_xlabel(" x ".join(str(n) for n in logical[k:]), fontsize=7)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        held = [[d for d in range(DEVICES) if g >> d & 1] for g in groups]
+        label = lambda ds: "every device" if len(ds) == DEVICES else "devices " + ",".join(map(str, ds))  # noqa
+        shown = [Patch(facecolor=cmap(i % 20), label=label(ds)) for i, ds in enumerate(held)][:8]
+        ax.legend(handles=shown, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2,
+                  title=None if len(held) <= 8 else f"(8 of {len(held)} pieces shown)", title_fontsize=6)
+    fig.suptitle(f"which devices hold each element ({layout_text(name)})", fontsize=9)
+    fig.tight_layout()
+    return _png(fig)
+
+
 def schedule_figure(kind: str, stages: int, microbatches: int, repeats: int) -> bytes:
     """``jaxpar.plots.plot_schedule``'s chart (what a run writes as pipeline_schedule.png)."""
     import tempfile
@@ -410,6 +451,7 @@ GENERATORS = {
 # figures: the file name under gen/ -> the PNG
 FIGURES = {
     **{f"mesh-{n}.png": functools.partial(mesh_figure, n) for n in LAYOUTS},
+    **{f"placement-{n}.png": functools.partial(placement_figure, n) for n in LAYOUTS},
     "schedule-gpipe.png": functools.partial(schedule_figure, "gpipe", 4, 8, 1),
     "schedule-circular.png": functools.partial(schedule_figure, "gpipe", 4, 8, 2),
     "schedule-1f1b.png": functools.partial(schedule_figure, "1f1b", 4, 8, 1),
