@@ -224,6 +224,23 @@ def traffic_compare(*names: str) -> str:
     return "\n".join(out)
 
 
+PAGES = {"data": "data", "zero1": "data", "zero3": "data", "tensor": "tensor", "megatron_sp": "tensor",
+         "gpipe": "pipeline", "1f1b": "pipeline", "expert": "expert", "expert_tensor": "expert",
+         "all_gather": "sequence", "ring": "sequence", "ulysses": "sequence", "3d": "combining"}
+
+
+def layouts_table() -> str:
+    """Every layout of the concepts pages: its page, the compiled step's collective bytes and memory."""
+    out = ["| layout | page | collectives, KiB per device per step (compiled / model) | memory, KiB per device |",
+           "|---|---|---:|---:|"]
+    for n in LAYOUTS:
+        rows = collective_rows(n)
+        sent, model = sum(r[3] for r in rows), sum(r[4] for r in rows)
+        out.append(f"| `{layout_text(n)}` | [{PAGES[n]}]({PAGES[n]}.md) | {_kib(sent)} / {_kib(model)} | "
+                   f"{_kib(memory_rows(n)[-1][1])} |")
+    return "\n".join(out)
+
+
 # -- figures ----------------------------------------------------------------------------------------------------
 
 def _png(fig) -> bytes:
@@ -440,6 +457,7 @@ GENERATORS = {
     "memory-compare": lambda names: memory_compare(*names.split(",")),
     "traffic-compare": lambda names: traffic_compare(*names.split(",")),
     "bubble": lambda s: bubble_table(int(s)),
+    "layouts": lambda _="": layouts_table(),
     "help": lambda entry: f"```text\n{cli_help(entry).rstrip()}\n```",
     "plan": plan_block,
     "rules": lambda _="": rules_table(),
