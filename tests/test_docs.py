@@ -264,3 +264,13 @@ def test_ci_runs_the_readme_commands_as_written():
     install = one.removesuffix(" && python train.py").split(" && ", 2)[2]  # after the venv and its activation
     assert install in ci.splitlines() and two in ci.splitlines()
     assert ci.index(install) < ci.index(two)
+
+
+def test_the_command_line_page_covers_every_entry_point():
+    """Every module of jaxpar that runs as a program (`python -m jaxpar.X`), and train.py, has its --help on
+    docs/reference/cli.md."""
+    mains = {"train.py"} | {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "jaxpar").rglob("*.py")
+                            if 'if __name__ == "__main__"' in p.read_text()}
+    assert mains == set(jaxpar_docs.ENTRY_POINTS)
+    page = (DOCS / "reference" / "cli.md").read_text()
+    assert {e for e in mains if f"<!-- gen: help {e} -->" in page} == mains
