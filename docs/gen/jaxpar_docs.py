@@ -11,6 +11,9 @@ build time, so a change of behaviour changes the pages, and a failing generator 
 
 Figures are PNG bytes; the hook adds them to the site as generated files (nothing is written into
 ``docs/``). Everything is cached per process: ``mkdocs serve`` recompiles nothing on a page edit.
+
+Long by design: one module holds every generated part of the site (the layouts, the tables, the figures, the
+commands and the marker registry), so that a page's marker and what it renders are read in one place.
 """
 
 from __future__ import annotations
