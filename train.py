@@ -11,7 +11,7 @@ Examples:
 
 On a host without accelerators the mesh is simulated with XLA CPU devices. A run continues from the
 newest checkpoint in its directory (checkpoint.resume=auto). Multi-process runs start the same
-command once per process (see README: multi-host); distributed.* keys or JAXPAR_COORDINATOR /
+command once per process (see docs/guides/multihost.md); distributed.* keys or JAXPAR_COORDINATOR /
 JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID say how the processes find each other.
 
 Exit status: 0 done (also after a SIGTERM, which saves and stops); 1 the run failed (unusable checkpoint,

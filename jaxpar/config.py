@@ -6,7 +6,8 @@ A run is configured by one :class:`Config` made of sections (``model``, ``moe``,
 :class:`ConfigError` naming the key and the valid choices, before anything is compiled.
 
 Every field carries a ``help`` string in its metadata; :func:`config_table` renders all keys as a
-Markdown table (the README's key reference is generated from it, so it cannot drift).
+Markdown table (the documentation's key reference, docs/reference/config.md, is generated from it, so it
+cannot drift).
 
 Long by design: every key of every section is declared here with its type, default, range and help
 text, next to the checks across keys; splitting the sections would scatter that one reference.
@@ -142,7 +143,7 @@ class ModelConfig:
     init_from: str = _f("", "hf:DIR: start from the weights of a local Hugging Face model directory (GPT-2, Llama "
                             "1-3.x, Mistral, Qwen2.5, Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek-V3, GPT-OSS; "
                             "config.json + safetensors), whose config.json sets the architecture keys; a resumed run "
-                            "continues from its checkpoint instead. See the README.")
+                            "continues from its checkpoint instead. See docs/guides/checkpoints.md.")
     positions: str | None = _f(None, "Position encoding: learned or rope (default from style).", ("learned", "rope"))
     norm: str | None = _f(None, "layernorm or rmsnorm (default from style).", ("layernorm", "rmsnorm"))
     mlp: str | None = _f(None, "gelu, swiglu (SiLU-gated), geglu (tanh-GELU-gated, Gemma) or clamped_swiglu (GPT-OSS: "
@@ -217,7 +218,7 @@ class ModelConfig:
     remat: str = _f("none", "Rematerialisation policy of each block (what it keeps for the backward): none "
                             "(everything), save_dots (the weight-matmul and attention outputs; minimal is MaxText's "
                             "name for it), save_dots_except_mlp, save_qkv_proj, full (only the block input), offload "
-                            "(as save_dots, in pinned host memory; GPU/TPU). See the README's Performance section.",
+                            "(as save_dots, in pinned host memory; GPU/TPU). See docs/guides/performance.md.",
                     ("none", "full", "save_dots", "minimal", "save_dots_except_mlp", "save_qkv_proj", "offload"))
     attention: str = _f("auto", "Attention kernel: auto (cudnn on GPU, pallas on TPU, xla on CPU, and xla where the "
                                 "kernel does not fit), xla (reference, float32 scores), cudnn (cuDNN flash attention, "
@@ -307,8 +308,8 @@ class TrainConfig:
                                  "(H100/H200 989, A100 312, TPU v4 275, v5e 197, v5p 459, v6e 918; none on CPU: no "
                                  "MFU).", range=NONNEGATIVE)
     xla_perf_options: bool = _f(True, "Compile the train step with jaxpar's XLA performance options on GPU "
-                                      "(latency-hiding scheduler, collective combining and pipelining; see README). "
-                                      "A flag set in XLA_FLAGS overrides the same option.")
+                                      "(latency-hiding scheduler, collective combining and pipelining; see "
+                                      "docs/guides/performance.md). A flag set in XLA_FLAGS overrides the same option.")
     max_bad_steps: int = _f(5, "A step whose loss or gradients are not finite is skipped (no update); after this "
                                "many consecutive skipped steps the run stops with an error.", range=POSITIVE)
 
@@ -832,7 +833,8 @@ def validate_moe(cfg: Config) -> None:
 
 
 def config_table() -> str:
-    """Markdown table of every key, its type, default and meaning (generated; used by the README)."""
+    """Markdown table of every key, its type, default and meaning (the docs' key reference, docs/reference/config.md,
+    is generated from it)."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     hints_root = typing.get_type_hints(Config)
     for sec in dataclasses.fields(Config):

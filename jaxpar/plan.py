@@ -412,7 +412,7 @@ class Planner:
                     ok.append(est)
                     key = tuple(sizes.values())
                     best[key] = min(best.get(key, math.inf), est.step_seconds)
-        ranked = sorted(best, key=best.get)
+        ranked = sorted(best, key=lambda x: best[x])
         top = min(best.values(), default=math.inf)
         seen = {_key(e.overrides) for e in ok}
         for key in [x for i, x in enumerate(ranked) if i < expand or best[x] <= 1.1 * top]:

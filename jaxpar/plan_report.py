@@ -192,7 +192,7 @@ def calibrate(run_dirs: list, cluster, platform: str = "gpu"):
                           platform=platform)
         est = planner.estimate(ov)
         terms = dict(est.budget)
-        got = {}
+        got: dict[str, float] = {}
         for kind in comm.measured(collectives).values():
             for label, b in kind.items():
                 got[label] = got.get(label, 0.0) + b

@@ -162,14 +162,6 @@ def test_config_table_lists_every_key():
         assert f"`{key}`" in table
 
 
-def test_readme_key_table_is_generated_from_the_code():
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme.split("<!-- keys:start -->\n", 1)[1].split("\n<!-- keys:end -->", 1)[0]
-    assert table == config_table(), "README key table is stale: regenerate it with `python train.py --keys`"
-
-
 def test_shipped_configs_load_and_fit_their_meshes():
     from pathlib import Path
 
@@ -220,32 +212,7 @@ def test_distributed_plan_from_keys_environment_and_scheduler(monkeypatch):
         distributed.plan(d)
 
 
-def test_readme_commands_fit_the_eight_simulated_devices():
-    """Every `python train.py` line of the README's Running section loads and fits 8 devices (what a
-    CPU host simulates) or, with -1, a mesh that 8 devices fill; and each writes its own run
-    directory, so that pasting the block after the quick start runs every line (a line sharing a
-    directory would resume another line's run, or find nothing left to train)."""
-    import shlex
-    from pathlib import Path
-
-    from jaxpar.mesh import axis_sizes
-    from jaxpar.partitioning import check_model_fits
-
-    root = Path(__file__).resolve().parents[1]
-    block = (root / "README.md").read_text().split("## Running\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [shlex.split(line, comments=True) for line in block.splitlines() if line.startswith("python train.py")]
-    assert len(lines) >= 8
-    out_dirs = []
-    for words in lines:
-        if "--keys" in words:
-            continue
-        path = words[words.index("--config") + 1] if "--config" in words else "configs/default.yaml"
-        over = [w for w in words[2:] if "=" in w]
-        cfg = load_config(root / path, over)
-        sizes = axis_sizes(cfg.parallel, 8)
-        check_model_fits(cfg.model, cfg.parallel, sizes)
-        out_dirs.append(cfg.train.out_dir)
-    assert len(set(out_dirs)) == len(out_dirs), out_dirs
+# The README's key-table and Running-block tests moved to tests/test_docs.py with the table and the block.
 
 
 def test_renamed_keys_still_work_for_one_release(tmp_path, capsys):

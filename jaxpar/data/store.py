@@ -28,7 +28,7 @@ starts anywhere in the stream and straddles documents; with a raw array it is on
 memory map (the kernel reads only the pages it covers, ~2 pages per row), with no decoding. A
 record format stores documents, so a row would decode every record it overlaps. Measured here
 (``benchmarks/data.py``): gathering a random 32 x 257 batch from a 200 M-token store takes tens of
-microseconds; see the README for the numbers.
+microseconds; see docs/guides/data.md for the numbers.
 
 **Rows.** :meth:`TokenStore.rows` (:class:`~jaxpar.data.packing.StoreRows`) is a split cut into rows
 exactly as :func:`jaxpar.data.pipeline.pack` cuts an in-memory stream (row ``i`` = tokens ``[i*L, i*L

@@ -577,7 +577,7 @@ def _when(pred, fn, skip, operand):
     """``fn(operand)`` where ``pred``, else ``skip(operand)``; both run on every device and the result is
     selected, so that every device runs the same sequence of collectives. A ``lax.cond`` here (each
     device deciding for itself: the embedding on the first stage only, the head on the last, nothing in
-    the bubble) deadlocked XLA:CPU's in-process collectives on the README's GPipe command (devices
+    the bubble) deadlocked XLA:CPU's in-process collectives on the quick start's GPipe command (devices
     stuck at different all-reduces; the rendezvous gave up after 40 s) and, with ring attention, mixed
     up data of different iterations now and then (wrong numbers, or an abort)."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
