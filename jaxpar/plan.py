@@ -70,6 +70,7 @@ from types import SimpleNamespace
 from jaxpar.cli import COUNT, ArgumentParser, command, number
 from jaxpar.config import Config, ConfigError, Range, validate
 from jaxpar.mesh import AXES
+from jaxpar.plan_report import describe
 from jaxpar.steptime import Hardware
 
 GIB = 2**30
@@ -367,34 +368,52 @@ class Planner:
     def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
         """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit
         (more only add time: ZeRO-3 gathers, a pipeline's bubble per microstep, a smaller overlap window), each
-        of its microbatch counts M at that k; what does not fit or pass the checks goes to ``rejected``."""
+        of its microbatch counts M at that k; what does not fit or pass the checks goes to ``rejected``. Memory
+        falls as k grows, so the most microsteps are tried first (none fits: done), then the fewest that fit
+        are found by bisection."""
         limit = self.cluster.hbm_gib * GIB
         dp = base["parallel.data"] * base["parallel.expert"]
         batch = self.cfg.train.batch_size
-        for k in (k for k in range(1, batch // dp + 1) if batch % k == 0 and (batch // k) % dp == 0):
-            found, smaller = [], False
-            for mb in micro(k):
-                ov = {**base, "parallel.microbatches": mb, "train.grad_accum": k}
-                try:
-                    est = self.estimate(ov)
-                except ConfigError as e:
-                    rejected.append((ov, str(e)))
-                    continue
-                if est.memory["total"] > limit:
-                    rejected.append((ov, f"needs {est.memory['total'] / GIB:.1f} GiB per device "
-                                         f"(> {self.cluster.hbm_gib:g} GiB)"))
-                    smaller = True
-                else:
-                    found.append(est)
-            if found or not smaller:  # fits, or fails the checks for another reason than memory
-                return found
-        return []
+        ks = [k for k in range(1, batch // dp + 1) if batch % k == 0 and (batch // k) % dp == 0]
+        tried: dict[int, tuple[list, bool]] = {}
+
+        def at(k: int) -> tuple[list, bool]:
+            """(the estimates that fit at k, whether any failed for its memory alone)."""
+            if k not in tried:
+                found, heavy = [], False
+                for mb in micro(k):
+                    ov = {**base, "parallel.microbatches": mb, "train.grad_accum": k}
+                    try:
+                        est = self.estimate(ov)
+                    except ConfigError as e:
+                        rejected.append((ov, str(e)))
+                        continue
+                    if est.memory["total"] > limit:
+                        rejected.append((ov, f"needs {est.memory['total'] / GIB:.1f} GiB per device "
+                                             f"(> {self.cluster.hbm_gib:g} GiB)"))
+                        heavy = True
+                    else:
+                        found.append(est)
+                tried[k] = (found, heavy)
+            return tried[k]
+
+        if not ks:
+            return []
+        if at(ks[0])[0] or not at(ks[0])[1]:  # fits at k = 1, or fails for another reason than memory
+            return at(ks[0])[0]
+        if not at(ks[-1])[0]:
+            return []
+        lo, hi = 0, len(ks) - 1  # ks[lo] does not fit, ks[hi] does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if at(ks[mid])[0] else (mid, hi)
+        return at(ks[hi])[0]
 
     def plan(self, expand: int = 6) -> tuple[list[Estimate], list[tuple[dict, str]]]:
         """(layouts that fit, fastest first; rejected layouts with the reason). A first pass tries a few
         options (:func:`options`, ``phase="first"``) on every mesh; the ``expand`` meshes fastest in it, and
-        any within 10% of the fastest, then try every option: the search space is the product, the time
-        spent the first pass (a few estimates per mesh) and the expanded meshes' products."""
+        up to twice as many more within 10% of the fastest, then try every option: the search space is the
+        product, the time spent the first pass (a few estimates per mesh) and the expanded meshes' products."""
         m = self.cfg.model
         batch, layers = self.cfg.train.batch_size, (self.cfg.moe.groups(m.n_layers) if m.arch == "moe"
                                                     else m.n_layers)
@@ -405,7 +424,9 @@ class Planner:
             try:  # the mesh's own checks (heads, layers, batch), once
                 self.check_mesh(sizes)
             except ConfigError as e:
-                rejected.append(({f"parallel.{a}": v for a, v in sizes.items()}, str(e)))
+                # recorded as the mesh's plainest layout (the checks do not depend on the options)
+                rejected.append(({**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": 0,
+                                  "model.remat": "none"}, str(e)))
                 continue
             for base, micro in options(sizes, batch, layers, self.platform, "first"):
                 for est in self.fitting(base, micro, rejected):
@@ -415,7 +436,7 @@ class Planner:
         ranked = sorted(best, key=lambda x: best[x])
         top = min(best.values(), default=math.inf)
         seen = {_key(e.overrides) for e in ok}
-        for key in [x for i, x in enumerate(ranked) if i < expand or best[x] <= 1.1 * top]:
+        for key in [x for i, x in enumerate(ranked) if i < expand or (i < 3 * expand and best[x] <= 1.1 * top)]:
             sizes = dict(zip(AXES, key))
             for base, micro in options(sizes, batch, layers, self.platform):
                 for est in self.fitting(base, micro, rejected):
@@ -456,23 +477,6 @@ def _recomputed(cfg: Config) -> float:
     up = (2 if m.gated else 1) * width * m.d_model
     core = m.seq_len * m.n_heads * m.head_dim  # QK^T and PV: 2 T H hd flops per token each, halved by the mask
     return (up + (core if m.remat == "save_qkv_proj" else 0)) / (layer_matmul_params(cfg, moe) + core)
-
-
-def describe(ov: dict) -> str:
-    par = " x ".join(f"{k.split('.')[1]}={v}" for k, v in ov.items()
-                     if k.split(".")[1] in AXES and v > 1) or "one device"
-    extra = [f"zero={ov['parallel.zero']}", f"remat={ov['model.remat']}"]
-    if ov.get("parallel.megatron_sp"):
-        extra.append("megatron_sp")
-    if ov.get("train.grad_accum", 1) > 1:
-        extra.append(f"k={ov['train.grad_accum']}")
-    if ov.get("parallel.microbatches"):
-        extra.append(f"M={ov['parallel.microbatches']}")
-    if ov.get("parallel.pipeline_schedule", "gpipe") != "gpipe":
-        extra.append(ov["parallel.pipeline_schedule"])
-    if ov.get("parallel.pipeline_repeats", 1) > 1:
-        extra.append(f"R={ov['parallel.pipeline_repeats']}")
-    return f"{par} ({', '.join(extra)})"
 
 
 LEGEND = """\
@@ -549,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             from jaxpar.plan_report import calibrate
 
             cluster, lines = calibrate(a.calibrate, cluster.with_(efficiency=a.efficiency or cluster.efficiency),
-                                       platform)
+                                       platform, Planner)
             print("calibration:\n" + "\n".join(lines) + "\n")
         planner = Planner(cfg, cluster, a.nodes, None if a.calibrate else a.efficiency, platform=platform)
         ok, rejected = planner.plan()

@@ -93,7 +93,6 @@ def _rules(planner) -> list[str]:
 
 def explain(planner, est, rank: int = 1) -> str:
     """Why ``est`` (a :class:`jaxpar.plan.Estimate` of ``planner``): see the module docstring."""
-    from jaxpar.plan import describe
     from jaxpar.steptime import bandwidth
 
     ov = est.overrides
@@ -145,6 +144,23 @@ def explain_plan(planner, ok: list) -> str:
     return "\n".join(out)
 
 
+def describe(ov: dict) -> str:
+    par = " x ".join(f"{k.split('.')[1]}={v}" for k, v in ov.items()
+                     if k.split(".")[1] in AXES and v > 1) or "one device"
+    extra = [f"zero={ov.get('parallel.zero', 0)}", f"remat={ov.get('model.remat', 'none')}"]
+    if ov.get("parallel.megatron_sp"):
+        extra.append("megatron_sp")
+    if ov.get("train.grad_accum", 1) > 1:
+        extra.append(f"k={ov['train.grad_accum']}")
+    if ov.get("parallel.microbatches"):
+        extra.append(f"M={ov['parallel.microbatches']}")
+    if ov.get("parallel.pipeline_schedule", "gpipe") != "gpipe":
+        extra.append(ov["parallel.pipeline_schedule"])
+    if ov.get("parallel.pipeline_repeats", 1) > 1:
+        extra.append(f"R={ov['parallel.pipeline_repeats']}")
+    return f"{par} ({', '.join(extra)})"
+
+
 # -- calibration ----------------------------------------------------------------------------------------
 
 def read_run(run_dir: str | Path) -> tuple:
@@ -165,14 +181,14 @@ def read_run(run_dir: str | Path) -> tuple:
     return cfg, statistics.median(times[1:]), report.get("collectives", {})
 
 
-def calibrate(run_dirs: list, cluster, platform: str = "gpu"):
+def calibrate(run_dirs: list, cluster, platform: str, planner_cls):
     """``cluster`` fitted to the runs' measured step times: each run's layout estimated on its own mesh
     (the compiled collectives' wire bytes in place of the modelled ones, scaled by the model's exposed
-    share), then :func:`jaxpar.steptime.fit`. Returns (fitted cluster, lines to print)."""
+    share), then :func:`jaxpar.steptime.fit`; ``planner_cls`` is :class:`jaxpar.plan.Planner` (passed: this
+    module is imported by it). Returns (fitted cluster, lines to print)."""
     import dataclasses
 
     from jaxpar import comm
-    from jaxpar.plan import Planner, describe
     from jaxpar.steptime import bandwidth, fit
 
     samples, lines = [], []
@@ -188,7 +204,7 @@ def calibrate(run_dirs: list, cluster, platform: str = "gpu"):
             ov.update({"parallel.pipeline_schedule": par.pipeline_schedule,
                        "parallel.pipeline_repeats": par.pipeline_repeats})
         hw = dataclasses.replace(cluster, per_node=min(cluster.per_node, n))
-        planner = Planner(dataclasses.replace(cfg, parallel=type(par)()), hw, max(1, n // hw.per_node),
+        planner = planner_cls(dataclasses.replace(cfg, parallel=type(par)()), hw, max(1, n // hw.per_node),
                           platform=platform)
         est = planner.estimate(ov)
         terms = dict(est.budget)

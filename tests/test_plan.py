@@ -352,7 +352,7 @@ def test_explain_and_calibrate(tmp_path, capsys):
                                     f"train.out_dir={tmp_path}/run", "train.log_every=1"])
     run(cfg, mesh=trainer(cfg).mesh, log=lambda *a: None)
     _, measured, _ = read_run(tmp_path / "run")
-    fitted, lines = calibrate([tmp_path / "run"], CLUSTERS["cpu"], "cpu")
+    fitted, lines = calibrate([tmp_path / "run"], CLUSTERS["cpu"], "cpu", Planner)
     est = Planner(dataclasses.replace(cfg, parallel=type(cfg.parallel)()), fitted, 1, platform="cpu").estimate(
         {"parallel.data": 4, "parallel.pipe": 1, "parallel.expert": 1, "parallel.seq": 1, "parallel.tensor": 2,
          "parallel.zero": 0, "model.remat": "full", "parallel.microbatches": 0, "train.grad_accum": 1})

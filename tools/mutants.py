@@ -152,10 +152,11 @@ MUTANTS = [
       "return 2 * repeats * stages - 1", "return 2 * repeats * stages - 2",
       ["tests/test_pipeline.py::test_1f1b_schedule", f"{PIPE_EQ}[gpt2-pipe=2-microbatches=8-pipeline_schedule=1f1b]"]),
     M("f1b-embed-grad-any-chunk", "pipeline-1f1b", PIPE,
-      'c["dins"] = _put(c["dins"], dx, bmm, b_ok & (br == 0))', 'c["dins"] = _put(c["dins"], dx, bmm, b_ok)',
+      'c["dins"] = _put(c["dins"], dx, bmm % c_, b_ok & (br == 0))', 'c["dins"] = _put(c["dins"], dx, bmm % c_, b_ok)',
       [f"{PIPE_EQ}[gpt2-pipe=2-pipeline_repeats=2-pipeline_schedule=1f1b]"],
-      equivalent="the slot is read after the loops only, and a microbatch's chunk-0 backward on stage 0 is the last "
-                 "of its chunks (backwards run chunks R-1 .. 0), so the chunk-0 gradient is what stays"),
+      equivalent="a slot is read after the loops or at a flush (embed_chunk) only, and a microbatch's chunk-0 "
+                 "backward on stage 0 is the last of its chunks (backwards run chunks R-1 .. 0), so the chunk-0 "
+                 "gradient is what stays"),
 
     # -- pipeline: interleaved 1F1B ----------------------------------------------------------------------
     M("il-slot-group-stride", "pipeline-interleaved", PIPE,
@@ -486,9 +487,11 @@ MUTANTS = [
       'rows = tr.batch_size // tr.grad_accum // sizes["data"]',
       ["tests/test_plan.py::test_model_matches_the_compiled_step[data2-expert4-moe]"]),
     M("mm-bubble-off-by-one", "memory-model", "jaxpar/plan.py",
-      "est.bubble = (mb + s_ - 1) / mb", "est.bubble = (mb + s_) / mb",
-      ["tests/test_plan.py::test_planner_state_and_traffic_match_a_hand_count",
-       "tests/test_plan.py::test_rules_of_thumb_fall_out_of_the_model"]),
+      "est.bubble = (mb * r_ + s_ - 1) / (mb * r_)", "est.bubble = (mb * r_ + s_) / (mb * r_)",
+      ["tests/test_plan.py::test_planner_state_and_traffic_match_a_hand_count"]),
+    M("st-compute-at-peak", "memory-model", "jaxpar/steptime.py",
+      "rate = hw.peak_tflops * 1e12 * hw.efficiency", "rate = hw.peak_tflops * 1e12",
+      ["tests/test_plan.py::test_time_model_terms_and_overlaps"]),
     M("mm-step-bytes-alias-added", "memory-model", "jaxpar/faults.py",
       '- mem.get("alias_size", 0)', '+ mem.get("alias_size", 0)',
       ["tests/test_faults.py::test_out_of_memory_message_names_the_need_and_the_cure"]),
