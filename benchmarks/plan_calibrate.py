@@ -31,7 +31,7 @@ LAYOUTS = [  # the calibration run first, then the three to rank
     {"parallel.data": 8, "parallel.tensor": 1, "parallel.zero": 1},
     {"parallel.data": 4, "parallel.tensor": 2, "parallel.zero": 1},
     {"parallel.data": 2, "parallel.tensor": 4, "parallel.zero": 0},
-    {"parallel.data": 1, "parallel.tensor": 8, "parallel.zero": 0},
+    {"parallel.data": 2, "parallel.seq": 2, "parallel.tensor": 2, "parallel.zero": 0},
 ]
 
 

@@ -359,7 +359,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             # when the routing is balanced; XLA:CPU's static count holds round 0 and the loop's body once (two)
             c = max(1, math.ceil(e.capacity_factor * e.top_k * tokens / ep - 1e-9))
             rounds = 2 if platform == "cpu" else 1
-            runs = rounds * (2 * moe_fwd + 3 * moe_bwd + 2 * moe_redo)
+            # a policy that keeps the experts' matmul outputs (save_dots) recomputes nothing behind the exchange
+            redo = 0 if {"mlp_up", "mlp_down"} <= set(kept) else moe_redo
+            runs = rounds * (2 * moe_fwd + 3 * moe_bwd + 2 * redo)
             add("all-to-all", ("expert",), runs, ep * c * d * act_bytes, "MoE sorted-dispatch exchange rounds")
         else:
             cap = expert_capacity(tokens, e.n_experts, e.top_k, e.capacity_factor, e.dropless)

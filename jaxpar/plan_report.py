@@ -163,6 +163,24 @@ def describe(ov: dict) -> str:
 
 # -- calibration ----------------------------------------------------------------------------------------
 
+def layout_of(cfg, devices: int | None = None) -> dict:
+    """A config's own layout as planner overrides (a ``-1`` axis filled from ``devices``)."""
+    par = cfg.parallel
+    sizes = {a: getattr(par, a) for a in AXES}
+    free = [a for a in AXES if sizes[a] == -1]
+    if free:
+        if devices is None:
+            raise ConfigError(f"parallel.{free[0]}=-1: name the device count to plan for")
+        sizes[free[0]] = devices // -math.prod(sizes.values())
+    ov = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": par.zero, "model.remat": cfg.model.remat,
+          "parallel.microbatches": par.microbatches, "parallel.megatron_sp": par.megatron_sp,
+          "train.grad_accum": cfg.train.grad_accum}
+    if sizes["pipe"] > 1:
+        ov.update({"parallel.pipeline_schedule": par.pipeline_schedule,
+                   "parallel.pipeline_repeats": par.pipeline_repeats})
+    return ov
+
+
 def read_run(run_dir: str | Path) -> tuple:
     """(config, median measured step time, compiled collectives) of a run directory."""
     from jaxpar.config import load_config
@@ -195,17 +213,12 @@ def calibrate(run_dirs: list, cluster, platform: str, planner_cls):
     for d in run_dirs:
         cfg, measured, collectives = read_run(d)
         par = cfg.parallel
-        sizes = {a: getattr(par, a) for a in AXES}
+        ov = layout_of(cfg)
+        sizes = {a: ov[f"parallel.{a}"] for a in AXES}
         n = math.prod(sizes.values())
-        ov = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": par.zero,
-              "model.remat": cfg.model.remat, "parallel.microbatches": par.microbatches,
-              "parallel.megatron_sp": par.megatron_sp, "train.grad_accum": cfg.train.grad_accum}
-        if sizes["pipe"] > 1:
-            ov.update({"parallel.pipeline_schedule": par.pipeline_schedule,
-                       "parallel.pipeline_repeats": par.pipeline_repeats})
         hw = dataclasses.replace(cluster, per_node=min(cluster.per_node, n))
-        planner = planner_cls(dataclasses.replace(cfg, parallel=type(par)()), hw, max(1, n // hw.per_node),
-                          platform=platform)
+        planner = planner_cls(dataclasses.replace(cfg, parallel=type(par)(stage_layers=par.stage_layers)), hw,
+                              max(1, n // hw.per_node), platform=platform)
         est = planner.estimate(ov)
         terms = dict(est.budget)
         got: dict[str, float] = {}

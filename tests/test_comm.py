@@ -80,6 +80,9 @@ LAYOUTS = {
                                          parallel__pipe=2, parallel__expert=2, parallel__data=2,
                                          model__remat="full")),
     "expert": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=4, moe__n_experts=4)),
+    # the sorted dispatch under save_dots: the experts' matmul outputs are kept, the exchange is not redone
+    "expert-sorted-save-dots": ("llama", dict(model__arch="moe", parallel__data=2, parallel__expert=4,
+                                              moe__n_experts=4, moe__dropless=True, model__remat="save_dots")),
     "expert-tensor": ("gpt2", dict(model__arch="moe", parallel__data=2, parallel__expert=2, parallel__tensor=2,
                                    moe__n_experts=4, moe__shared_experts=1, moe__score="sigmoid")),
     "expert-sp-shared": ("llama", dict(model__arch="moe", parallel__expert=2, parallel__tensor=4,
