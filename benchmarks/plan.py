@@ -26,6 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxpar.cli import ArgumentParser  # noqa: E402
 
 
+def ready_step(cfg):
+    """(a Trainer of ``cfg``, its initial state, a placed batch of random tokens) for timing its step."""
+    import numpy as np
+
+    from jaxpar.trainer import Trainer
+
+    t = Trainer(cfg)
+    rng = np.random.default_rng(0)
+    b, s = cfg.train.batch_size, cfg.model.seq_len
+    batch = t.place_batch({k: rng.integers(0, cfg.model.vocab_size, (b, s)).astype(np.int32)
+                           for k in ("inputs", "targets")})
+    return t, t.init_state(), batch
+
+
 def main(argv=None) -> int:
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
@@ -37,7 +51,6 @@ def main(argv=None) -> int:
     import dataclasses
 
     import jax
-    import numpy as np
 
     from jaxpar.config import load_config
     from jaxpar.mesh import request_cpu_devices
@@ -47,16 +60,10 @@ def main(argv=None) -> int:
     cfg = load_config(a.config, ["data.source=synthetic"])
     planner = Planner(dataclasses.replace(cfg, parallel=type(cfg.parallel)()), CLUSTERS["cpu"], 1, platform="cpu")
     ok, _ = planner.plan()
-    from jaxpar.trainer import Trainer
 
     rows = []
     for rank, est in enumerate(ok[: a.top], 1):
-        t = Trainer(planner.config(est.overrides))
-        state = t.init_state()
-        rng = np.random.default_rng(0)
-        b, s = cfg.train.batch_size, cfg.model.seq_len
-        batch = t.place_batch({k: rng.integers(0, cfg.model.vocab_size, (b, s)).astype(np.int32)
-                               for k in ("inputs", "targets")})
+        t, state, batch = ready_step(planner.config(est.overrides))
         times = []
         for i in range(a.steps + 2):
             t0 = time.perf_counter()

@@ -45,14 +45,13 @@ def main(argv=None) -> int:
     import dataclasses
 
     import jax
-    import numpy as np
     import yaml
 
     from jaxpar.config import load_config
     from jaxpar.mesh import AXES, request_cpu_devices
     from jaxpar.plan import CLUSTERS, Planner, describe
     from jaxpar.plan_report import calibrate
-    from jaxpar.trainer import Trainer
+    from plan import ready_step  # benchmarks/plan.py (this script's folder is on sys.path)
 
     request_cpu_devices(8)
     base_cfg = load_config(a.config, ["data.source=synthetic"])
@@ -63,12 +62,7 @@ def main(argv=None) -> int:
     runs = []
     for ov in full:
         cfg = preset.config(ov)
-        t = Trainer(cfg)
-        state = t.init_state()
-        rng = np.random.default_rng(0)
-        b, s = cfg.train.batch_size, cfg.model.seq_len
-        batch = t.place_batch({k: rng.integers(0, cfg.model.vocab_size, (b, s)).astype(np.int32)
-                               for k in ("inputs", "targets")})
+        t, state, batch = ready_step(cfg)
         for _ in range(2):  # compile and warm up
             state, m = t.step(state, batch)
         jax.block_until_ready(m["loss"])
