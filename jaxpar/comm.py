@@ -147,12 +147,11 @@ class Runs:
     """How often one train step runs each part of the model, per device (:func:`step_runs`): ``fwd`` / ``bwd`` /
     ``redo`` layer runs (forward, backward, and the forward again under remat) on ``layer_rows`` sequences
     each; ``moe_*`` the MoE layers' share; ``head`` / ``lookup`` the loss head's and the embedding lookup's runs
-    on ``head_rows`` sequences (per microstep: times ``k``); ``iters`` the pipeline's iterations per microstep."""
+    on the whole ``rows`` (per microstep: times ``k``); ``iters`` the pipeline's iterations per microstep."""
 
     k: int
     rows: int
     layer_rows: int
-    head_rows: int
     tl: int
     pipelined: bool
     f1b: bool
@@ -213,7 +212,7 @@ def step_runs(cfg, sizes: dict) -> Runs:
     # (the loss in each steady iteration, the lookup in each forward)
     from jaxpar.layers.pipeline import embed_chunk
 
-    return Runs(k, rows, layer_rows, rows, m.seq_len // sizes["seq"], pipelined, f1b, mb_, iters, f1b_iters,
+    return Runs(k, rows, layer_rows, m.seq_len // sizes["seq"], pipelined, f1b, mb_, iters, f1b_iters,
                 f1b_steady, lpg, lead, fwd_runs, bwd_runs, redo_runs, moe_fwd, moe_bwd, moe_redo,
                 f1b_steady / mb_ if f1b else 1.0, f1b_iters / mb_ if f1b else 1.0,
                 mb_ // embed_chunk(s_, mb_, r_) if f1b else 1)
@@ -226,7 +225,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     par = cfg.parallel
     big = lambda axes: tuple(a for a in axes if sizes[a] > 1)  # noqa: E731
     ru = step_runs(cfg, sizes)
-    k, layer_rows, head_rows, tl, d = ru.k, ru.layer_rows, ru.head_rows, ru.tl, m.d_model
+    k, layer_rows, head_rows, tl, d = ru.k, ru.layer_rows, ru.rows, ru.tl, m.d_model
     r_ = par.pipeline_repeats
     pipelined, f1b, iters, lpg, lead = ru.pipelined, ru.f1b, ru.iters, ru.lpg, ru.lead
     f1b_iters, f1b_steady = ru.f1b_iters, ru.f1b_steady

@@ -282,12 +282,10 @@ class Planner:
         return est
 
     def _bandwidth(self, label: str, sizes: dict) -> float:
-        """GB/s of a collective over the axes ``label`` (``data+expert``): the inter-node bandwidth when
-        its group spans nodes (the mesh fills ``tensor``, the innermost axis, first)."""
-        axes = label.split("+")
-        outer = min(AXES.index(a) for a in axes)
-        span = math.prod(sizes[a] for a in AXES[outer:])  # consecutive devices the group reaches
-        return self.cluster.inter_gbs if span > self.cluster.per_node and self.nodes > 1 else self.cluster.intra_gbs
+        """GB/s of a collective over the axes ``label`` (:func:`jaxpar.steptime.bandwidth`)."""
+        from jaxpar.steptime import bandwidth
+
+        return bandwidth(self.cluster, label, sizes, self.nodes)[0]
 
     def _activations(self, cfg: Config, sizes: dict, ab: int) -> tuple[float, float, float, dict]:
         """(activations, the loss chunk's logits, the bytes of the two that are never live together, per token
@@ -369,8 +367,8 @@ class Planner:
         """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit
         (more only add time: ZeRO-3 gathers, a pipeline's bubble per microstep, a smaller overlap window), each
         of its microbatch counts M at that k; what does not fit or pass the checks goes to ``rejected``. Memory
-        falls as k grows, so the most microsteps are tried first (none fits: done), then the fewest that fit
-        are found by bisection."""
+        falls as k grows: k = 1 is tried first, then the most microsteps (none fits: done), then the fewest
+        that fit are found by bisection."""
         limit = self.cluster.hbm_gib * GIB
         dp = base["parallel.data"] * base["parallel.expert"]
         batch = self.cfg.train.batch_size
@@ -447,14 +445,13 @@ class Planner:
         return ok, rejected
 
     def check_mesh(self, sizes: dict) -> None:
-        """train.py's checks of the model on a mesh, whatever the options (ConfigError naming the reason)."""
-        from jaxpar.partitioning import check_model_fits
+        """train.py's checks of the model on a mesh, whatever the options (ConfigError naming the reason): the
+        model's divisibility, and the batch over the batch axes (one microstep, no pipeline's microbatches)."""
+        from jaxpar.partitioning import check_batch_fits, check_model_fits
 
         cfg = self.config({f"parallel.{a}": v for a, v in sizes.items()})
         check_model_fits(cfg.model, cfg.parallel, sizes, *cfg.moe.stacking(cfg.model.arch))
-        if self.cfg.train.batch_size % (sizes["data"] * sizes["expert"]):
-            raise ConfigError(f"train.batch_size={self.cfg.train.batch_size} is not divisible by the batch-parallel "
-                              f"size data*expert={sizes['data'] * sizes['expert']}")
+        check_batch_fits(self.cfg.train.batch_size, 1, {**sizes, "pipe": 1})
 
 
 def _key(ov: dict) -> tuple:

@@ -164,14 +164,14 @@ def describe(ov: dict) -> str:
 # -- calibration ----------------------------------------------------------------------------------------
 
 def layout_of(cfg, devices: int | None = None) -> dict:
-    """A config's own layout as planner overrides (a ``-1`` axis filled from ``devices``)."""
+    """A config's own layout as planner overrides (a ``-1`` axis filled from ``devices``, as a run does:
+    :func:`jaxpar.mesh.axis_sizes`)."""
+    from jaxpar.mesh import axis_sizes
+
     par = cfg.parallel
-    sizes = {a: getattr(par, a) for a in AXES}
-    free = [a for a in AXES if sizes[a] == -1]
-    if free:
-        if devices is None:
-            raise ConfigError(f"parallel.{free[0]}=-1: name the device count to plan for")
-        sizes[free[0]] = devices // -math.prod(sizes.values())
+    if devices is None and -1 in (getattr(par, a) for a in AXES):
+        raise ConfigError("a parallel.* axis is -1: name the device count to plan for")
+    sizes = axis_sizes(par, devices if devices is not None else math.prod(getattr(par, a) for a in AXES))
     ov = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": par.zero, "model.remat": cfg.model.remat,
           "parallel.microbatches": par.microbatches, "parallel.megatron_sp": par.megatron_sp,
           "train.grad_accum": cfg.train.grad_accum}

@@ -110,7 +110,7 @@ class Flops:
     recompute: float
     bubble: float
     overhead: float
-    layer_fwd: float  # one forward of the layers a device runs per microstep, as executed (the overlap windows)
+    forward: float  # the layers' forwards a device runs per step, as executed (the overlap windows)
     attention_fwd: float  # of which attention's QK^T and PV
     backward: float  # the last microstep's backward (the gradient reductions' window)
 
@@ -141,7 +141,7 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     bwd = 2 * layer(ru.bwd, n_moe_runs[1])
     redo = (layer(f1b_redo, n_moe_runs[1] if ru.f1b else 0) + recompute_share * layer(ru.redo, n_moe_runs[2]))
     vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple  # a device's padded vocabulary slice
-    head_tokens = ru.k * ru.head * ru.head_rows * ru.tl
+    head_tokens = ru.k * ru.head * ru.rows * ru.tl
     head = 6 * m.d_model * vocab * head_tokens
     model = fl.model_flops_per_step(cfg) / n_devices
     # the same work without a pipeline's extras: the device's share of the layers, and of the head (one stage's)
@@ -154,7 +154,7 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     recompute = redo
     bubble = max(0.0, executed - recompute - ideal)
     return Flops(model=model, recompute=recompute, bubble=bubble, overhead=max(0.0, ideal - model),
-                 layer_fwd=fwd / ru.k, attention_fwd=tokens * attn * fwd_runs / ru.k, backward=(bwd + redo) / ru.k)
+                 forward=fwd, attention_fwd=tokens * attn * fwd_runs, backward=(bwd + redo) / ru.k)
 
 
 def bandwidth(hw: Hardware, label: str, sizes: dict, nodes: int) -> tuple[float, float]:
@@ -182,9 +182,9 @@ def step_time(cfg, sizes: dict, terms: list, ru, hw: Hardware, nodes: int, *, re
     out["memory"] = (tokens * passes * kept_bytes + 28 * opt_params) / (hw.hbm_gbs * 1e9)
     if cfg.model.resolved().remat == "offload":
         moved = 2 * tokens * ru.bwd * saved_bytes / (hw.host_gbs * 1e9)
-        out["offload"] = max(0.0, moved - (f.layer_fwd * ru.k) / rate)
+        out["offload"] = max(0.0, moved - f.forward / rate)
     # the windows the overlapped collectives hide behind
-    fwd_s, bwd_s = f.layer_fwd * ru.k / rate, f.backward * ru.k / rate
+    fwd_s, bwd_s = f.forward / rate, f.backward * ru.k / rate
     by: dict[tuple[str, str], float] = {}
     for term in terms:
         gbs, us = bandwidth(hw, term.label, sizes, nodes)
@@ -199,7 +199,7 @@ def step_time(cfg, sizes: dict, terms: list, ru, hw: Hardware, nodes: int, *, re
         elif cls == "f1b":  # the forward shift behind the iteration's backward, and the reverse
             exposed = max(0.0, sec / 2 - bwd_s) + max(0.0, sec / 2 - fwd_s)
         elif cls == "ring":  # behind the block's attention (forward, backward and recompute)
-            exposed = max(0.0, sec - 3 * f.attention_fwd * ru.k / rate)
+            exposed = max(0.0, sec - 3 * f.attention_fwd / rate)
         else:
             exposed = sec
         out[f"comm {label}"] = out.get(f"comm {label}", 0.0) + exposed
@@ -211,7 +211,7 @@ def fit(samples: list[tuple[dict, float]], hw: Hardware) -> Hardware:
     """``hw`` with its efficiency, HBM and link bandwidths scaled to fit measured step times: ``samples`` are
     (the model's ``{term: seconds}`` at ``hw``, measured seconds). One run fits one factor (the matmul
     efficiency, every time scaled alike); two fit compute and the rest (memory and communication) apart;
-    three or more fit compute, memory and communication apart (non-negative least squares)."""
+    three or more fit compute, memory and communication apart (least squares, each factor kept positive)."""
     import numpy as np
 
     groups = [("compute", "recompute", "bubble", "overhead"), ("memory", "offload"), ("comm",)]
@@ -226,14 +226,8 @@ def fit(samples: list[tuple[dict, float]], hw: Hardware) -> Hardware:
     a = np.array([[part(t, g) for g in groups] for t, _ in samples])
     y = np.array([s for _, s in samples])
     scale, *_ = np.linalg.lstsq(a, y, rcond=None)
-    scale = np.clip(scale, 1e-3, None)  # a time can only be slower or faster, never free
-    if len(samples) == 1 or len(groups) == 1:
-        s = float(scale[0])
-        return hw.with_(**_efficiency(hw, hw.efficiency / s), hbm_gbs=hw.hbm_gbs / s, host_gbs=hw.host_gbs / s,
-                        intra_gbs=hw.intra_gbs / s, inter_gbs=hw.inter_gbs / s, intra_us=hw.intra_us * s,
-                        inter_us=hw.inter_us * s, name=f"{hw.name} (calibrated)")
-    c, rest = float(scale[0]), [float(x) for x in scale[1:]]
-    mem, comm = (rest[0], rest[0]) if len(rest) == 1 else rest
+    scale = [float(x) for x in np.clip(scale, 1e-3, None)]  # a time can only be slower or faster, never free
+    c, mem, comm = (scale * 3)[:3] if len(scale) == 1 else (scale[0], scale[1], scale[-1])
     return hw.with_(**_efficiency(hw, hw.efficiency / c), hbm_gbs=hw.hbm_gbs / mem, host_gbs=hw.host_gbs / mem,
                     intra_gbs=hw.intra_gbs / comm, inter_gbs=hw.inter_gbs / comm, intra_us=hw.intra_us * comm,
                     inter_us=hw.inter_us * comm, name=f"{hw.name} (calibrated)")
