@@ -15,24 +15,32 @@ it does not fit the device memory, and ranked by estimated step time. The model,
 
 * **state** (exact): each parameter's bytes over the mesh axes its ``params`` / ``opt`` layout splits
   it on (the rules of :mod:`jaxpar.partitioning`, the same as a run's), AdamW's two float32 moments;
-  the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer; on
-  XLA:CPU, which all-reduces and slices, whole), and with ``grad_accum > 1`` their running sum in the
-  optimizer's layout.
+  the gradient as the backward produces it (ZeRO-3: already reduce-scattered, layer by layer; XLA:CPU
+  reduces and slices each layer's inside the backward's loop, under ZeRO-1 too: the optimizer's shard;
+  a pipeline's whole, summed over its microbatches in its loop), and with ``grad_accum > 1`` their running
+  sum in the optimizer's layout (ZeRO-3: and a microstep's embedding / head gradient, whole).
 * **activations**: per layer and token, what the backward keeps. ``full`` remat (and ``offload``, on
-  the device): the block input (``d``) in every layer, plus one layer's working set; ``save_dots``,
+  the device): the block input (``d``; ``d / t`` under Megatron-SP) in every layer, plus one layer's
+  working set and its weights in the compute layout (its gradient before the reduction, under ZeRO-3 the
+  gathered copy, in the sorted dispatch's exchange rounds the experts' gradient summed over rounds);
+  ``save_dots``,
   ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
   that the backward reads (``qkv_proj (H + 2 KV) hd / t``, ``attention H hd / t``, ``mlp_up
   (2|1) ff / t``; ``out_proj`` and ``mlp_down`` feed a residual add, whose backward does not read
-  them); ``none``: the working set in every layer, and the layers' weights as their matmuls took
-  them outside a pipeline (cast or annotated: a copy of the stack in the compute dtype):
+  them; the exchange rounds of a sorted dispatch over ``expert`` run again in their backward, so they keep
+  only their sorted rows, ``k d``, when ``mlp_down`` is kept); ``none``: the working set in every
+  layer, and the layers' weights as their matmuls took them outside a pipeline (cast or annotated: a
+  copy of the stack in the compute dtype):
   ``5 d`` (norm outputs, residuals, projections; ``/ t`` under Megatron-SP) + the QKV, rotated q/k
   and attention outputs ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` hidden (MoE:
-  ``top_k x capacity_factor`` of it with the dispatched rows, capacity-padded) +
+  its rows per token: ``top_k x capacity_factor`` capacity slots, ``n_experts`` for a dropless capacity
+  dispatch, ``top_k`` sorted, ``top_k x capacity_factor`` in an exchange round) +
   the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
   (``xla``; flash kernels do not). The layer whose backward runs also holds its MLP hidden's
   gradient and, under tensor parallelism, ``2 d`` of partial sums beside their reduced results.
   Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
-  a GPipe pipeline keeps ``(M R + S - 1) / (M R)`` times its stage's share; 1F1B keeps the stage
+  a GPipe pipeline keeps ``(M R + S - 1) / (M R)`` times its stage's share and its buffer of all
+  microbatches with its gradient; 1F1B keeps the stage
   inputs of ``min(M, 2S - 1)`` microbatches (interleaved: ``min(M R, 2RS - 1)`` chunk inputs) and one
   microbatch's stage (chunk) activations while its backward runs, and the first stage's input
   gradients of ``C`` microbatches (:func:`jaxpar.layers.pipeline.embed_chunk`: all M up to 2RS).
@@ -51,7 +59,9 @@ it does not fit the device memory, and ranked by estimated step time. The model,
 
 ``--check K`` compiles the train step of the K best layouts ahead of time on simulated CPU devices
 (:mod:`jaxpar.compile`) and prints predicted against compiled memory and collective bytes, both for
-XLA:CPU (float32 activations, its collective passes).
+XLA:CPU (``platform="cpu"``): float32 working sets, a layer's kept tensors at about 5 bytes per element
+when the compute dtype is bfloat16 (stored, and for part of the layers converted), the reference
+attention's three (short sequences) or four float32 ``[T, T]`` tensors per head, its collective passes.
 
 Long by design: each quantity's formula sits beside the enumeration, the ranking and the CLI that use
 it, so that the documented model and the code are read together.
@@ -251,17 +261,30 @@ class Planner:
 
         mem["params"] = per_device("params", pb)
         mem["opt"] = per_device("opt", 2 * 4)
-        # ZeRO-3 reduce-scatters each layer's gradient as the backward produces it; XLA:CPU all-reduces it
-        # whole and slices (jaxpar.comm), so there the whole gradient exists
-        scattered = par.zero >= 3 and self.platform != "cpu"
+        # ZeRO-3 reduce-scatters each layer's gradient as the backward produces it; XLA:CPU all-reduces each
+        # layer's inside the backward's loop and slices it there, under ZeRO-1 too; a pipeline sums its stage's
+        # gradients over the microbatches in its loop, whole, and reduces them after it
+        scattered = (par.zero >= 3 or self.platform == "cpu") and sizes["pipe"] == 1
         mem["grads"] = per_device("opt" if scattered else "compute", pb)
         if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
             mem["grads"] += per_device("opt", pb)
+            if par.zero >= 3:  # and a microstep's gradient of the embedding and the head, whole before its
+                # reduce-scatter (the loss runs after the layers' loop, outside it)
+                mem["grads"] += per_device("compute", pb) - per_device("compute", pb, stage_only=True)
         mem["activations"], mem["logits"], apart, per_token = self._activations(cfg, sizes, ab)
         if m.remat == "none" and sizes["pipe"] == 1:  # the backward reads each layer's weights as its
             # matmuls took them, cast or annotated: a copy of the stack in the compute dtype (a pipeline
             # stage selects its layers again in the backward, jaxpar.layers.remat.select_remat)
             mem["activations"] += per_device("compute", ab, stage_only=True)
+        # one layer's weights in the compute layout while its backward runs: its gradient before the reduction
+        # (and the slice or reduce-scatter to the optimizer's shard; a pipeline's are counted whole above),
+        # under ZeRO-3 its gathered weights, and in
+        # the sorted dispatch's exchange rounds the experts' gradient summed over rounds (a loop's carry in and
+        # out)
+        slots = next(x.shape[0] for x in leaves if x.stage) // sizes["pipe"]
+        exchanged = m.arch == "moe" and cfg.moe.dispatch_path() == "sorted" and sizes["expert"] > 1
+        mem["activations"] += per_device("compute", pb, stage_only=True) / slots * (
+            (sizes["pipe"] == 1) + (par.zero >= 3) + 2 * exchanged)
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
         mem["update"] = 0.5 * per_device("opt", 4)
         mem["total"] = sum(mem.values()) - apart
@@ -306,28 +329,47 @@ class Planner:
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
         ff = (3 if m.gated else 2) * m.d_ff
         up: float = (2 if m.gated else 1) * m.d_ff  # the up (gate-up) projection's output
+        kept_ff = ff
+        down = 0.0  # what keeping mlp_down keeps beyond mlp_up (dense: nothing the backward reads)
         if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot (capacity-padded)
-            slots = e.top_k * (1 if e.dropless else e.capacity_factor)
+            path, ep = e.dispatch_path(), sizes["expert"]
+            # rows per token: capacity slots (dropless: every expert's, C = G), the sorted assignments, or one
+            # exchange round's (capacity_factor x the balanced share per peer)
+            slots = (e.top_k * (1 if ep == 1 else e.capacity_factor) if path == "sorted"
+                     else e.n_experts if e.dropless else e.top_k * e.capacity_factor)
             ff = slots * ((3 if m.gated else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
             up = slots * (2 if m.gated else 1) * (e.d_ff or m.d_ff)
+            kept_ff = ff
+            if path == "sorted" and ep > 1:  # the exchange rounds' backward runs them again (sum_rounds): kept
+                # are only the sorted rows (and, without remat, the combined results), k x d each, whole over
+                # tensor; a policy that keeps mlp_down keeps the rounds' inputs, one that keeps mlp_up alone none
+                kept_ff, up, down = 2 * e.top_k * d * t, 0.0, e.top_k * d * t
         # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
         t_kv = m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
                         n_kv_heads=kv, platform=self.platform, seq_len=t_kv)
-        probs = 2 * h * t_kv / t * (4 / ab) if kernel == "xla" else 0.0
+        cpu = self.platform == "cpu"
+        # XLA:CPU runs bfloat16 matmuls in float32: a layer's working set is float32 (wb), and what it keeps
+        # for the backward is kept as stored and, for part of the layers, converted too (sb: 4.8 to 6.4 bytes
+        # per element measured on GPT-3 175B, 5 taken); its attention holds four [T, T] float32 tensors at
+        # once in a backward (scores, probabilities and their two gradients)
+        wb, sb = (4, ab + 3 if ab < 4 else ab) if cpu else (ab, ab)
+        probs = ((4 if t_kv >= 1024 else 3) if cpu else 2) * h * t_kv / t * (4 / wb) if kernel == "xla" else 0.0
         heads = h // n if n > 1 and par.seq_attention == "ulysses" else h
         res = d / t if par.megatron_sp else d  # the residual stream's tensors (split over tensor under Megatron-SP)
         # what a layer keeps for its backward, per token
-        kept = 5 * res + (4 * heads + 3 * kv) * hd / t + ff / t + probs
+        kept = 5 * res + (4 * heads + 3 * kv) * hd / t + kept_ff / t + probs
         # and, in the one layer whose backward runs: the MLP hidden's gradient, and under tensor parallelism
         # the partial sums reduced over tensor ([tokens, d]: a row-parallel layer's output, a column-parallel
         # layer's input gradient) beside their reduced results
-        working = kept + ff / t + (2 * d if t > 1 else 0)
+        working = kept + (ff + ff - kept_ff) / t + (2 * d if t > 1 else 0)
         # what each layer keeps between its forward and its backward: all of the above without remat;
         # with a policy, its input and the named matmul outputs it saves that the backward reads
         # (out_proj and mlp_down feed a residual add, whose backward does not read them)
-        named = {"qkv_proj": (h + 2 * kv) * hd / t, "attention": h * hd / t, "mlp_up": up / t}
-        stored = kept if m.remat == "none" else d + sum(named.get(x, 0.0) for x in KEPT.get(m.remat, ()))
+        named = {"qkv_proj": (h + 2 * kv) * hd / t, "attention": h * hd / t, "mlp_up": up / t, "mlp_down": down / t}
+        # (the exchange rounds' inputs kept by mlp_down are one copy, at the working width)
+        stored = kept if m.remat == "none" else res + sum(named.get(x, 0.0) * (wb / sb if x == "mlp_down" else 1)
+                                                         for x in KEPT.get(m.remat, ()))
         s_ = sizes["pipe"]
         layers = comm.stage_layers(cfg, sizes) * par.pipeline_repeats  # a stage's layer slots
         # a pipeline stage runs each of its layers (M R + S - 1) / R times (bubble iterations included)
@@ -335,7 +377,7 @@ class Planner:
         held = tokens * (mr + s_ - 1) / mr if s_ > 1 else tokens
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
         # plus one layer's working set: the backward's (and, under remat, its recompute's)
-        act = (layers * held * stored + micro * working) * ab
+        act = layers * held * stored * sb + micro * working * wb
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
         if f1b:
             m_ = par.microbatches or s_
@@ -344,11 +386,11 @@ class Planner:
 
             # the stash, one chunk's activations and working set, and the first stage's input gradients kept
             # for the embedding's weight gradient (C microbatches' of them)
-            act = (min(m_ * r_, 2 * r_ * s_ - 1) * micro * d + layers // r_ * micro * stored
-                   + micro * working + embed_chunk(s_, m_, r_) * micro * d) * ab
+            act = ((min(m_ * r_, 2 * r_ * s_ - 1) + embed_chunk(s_, m_, r_)) * micro * d * ab
+                   + layers // r_ * micro * stored * sb + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
-            # outputs on the last), its gradient, and the embedding's output gradient
-            act += 3 * tokens * d * ab
+            # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
+            act += 2 * tokens * d * ab
         # a pipeline's loss runs in chunks of at most one microbatch (1F1B: per microbatch)
         chunk = min(micro, m.loss_chunk_tokens or micro)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple
@@ -357,7 +399,7 @@ class Planner:
         # the loss runs between the layers' forward and their backward, so its logits and one layer's
         # working set in the backward are never live together (1F1B: the loss and a stage's backward
         # share an iteration)
-        apart = 0.0 if f1b else min(logits, micro * working * ab)
+        apart = 0.0 if f1b else min(logits, micro * working * wb)
         from jaxpar.layers.remat import MATMULS
 
         per_token = {"kept": kept * ab, "saved": sum(named.get(x, 0.0) for x in MATMULS) * ab, "kernel": kernel}
