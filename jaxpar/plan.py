@@ -344,32 +344,40 @@ class Planner:
                 # are only the sorted rows (and, without remat, the combined results), k x d each, whole over
                 # tensor; a policy that keeps mlp_down keeps the rounds' inputs, one that keeps mlp_up alone none
                 kept_ff, up, down = 2 * e.top_k * d * t, 0.0, e.top_k * d * t
-        # ring attention's blocks cover the whole sequence over its hops: as many probabilities are kept
-        t_kv = m.seq_len
+        # ring attention rematerialises each hop's [T/N, T/N] block in its backward (none kept); the local block
+        # and the last hop run outside its loop of hops, so two blocks' worth are live
+        ring = n > 1 and par.seq_attention == "ring"
+        t_kv = m.seq_len // n * 2 if ring else m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
-                        n_kv_heads=kv, platform=self.platform, seq_len=t_kv)
+                        n_kv_heads=kv, platform=self.platform, seq_len=m.seq_len)
         cpu = self.platform == "cpu"
-        # XLA:CPU runs bfloat16 matmuls in float32: a layer's working set is float32 (wb), and what it keeps
-        # for the backward is kept as stored and, for part of the layers, converted too (sb: 4.8 to 6.4 bytes
-        # per element measured on GPT-3 175B, 5 taken); its attention holds four [T, T] float32 tensors at
-        # once in a backward (scores, probabilities and their two gradients)
+        # XLA:CPU runs bfloat16 matmuls in float32: a layer's working set is float32 (wb), and its input, kept
+        # for the backward, is kept as stored and, for part of the layers, converted too (sb: 4.8 to 6.4 bytes
+        # per element measured on GPT-3 175B, 5 taken), as are the matmul outputs a policy saves
         wb, sb = (4, ab + 3 if ab < 4 else ab) if cpu else (ab, ab)
-        probs = ((4 if t_kv >= 1024 else 3) if cpu else 2) * h * t_kv / t * (4 / wb) if kernel == "xla" else 0.0
+        # one float32 [T, T] tensor per head of the reference attention (in wb units): the scores and the
+        # probabilities are kept; a backward holds them with their two gradients (XLA:CPU: three tensors at
+        # short sequences, four from 1024 tokens; GPU: the two it keeps). With attention sinks, the scores
+        # joined with the sink logits too: half a square more, measured on GPT-OSS 20B, whose scores XLA joins
+        # in place in some of its layers
+        square = h * t_kv / t * (4 / wb) if kernel == "xla" else 0.0
+        sq_work = ((4 if t_kv >= 1024 else 3) if cpu else 2) + 0.5 * m.attn_sinks
+        sq_kept = 0.0 if ring else (2 if t_kv >= 1024 or not cpu else 3) + 0.5 * m.attn_sinks
         heads = h // n if n > 1 and par.seq_attention == "ulysses" else h
         res = d / t if par.megatron_sp else d  # the residual stream's tensors (split over tensor under Megatron-SP)
         # what a layer keeps for its backward, per token
-        kept = 5 * res + (4 * heads + 3 * kv) * hd / t + kept_ff / t + probs
+        kept = 5 * res + (4 * heads + 3 * kv) * hd / t + kept_ff / t + sq_kept * square
         # and, in the one layer whose backward runs: the MLP hidden's gradient, and under tensor parallelism
         # the partial sums reduced over tensor ([tokens, d]: a row-parallel layer's output, a column-parallel
-        # layer's input gradient) beside their reduced results
-        working = kept + (ff + ff - kept_ff) / t + (2 * d if t > 1 else 0)
-        # what each layer keeps between its forward and its backward: all of the above without remat;
-        # with a policy, its input and the named matmul outputs it saves that the backward reads
-        # (out_proj and mlp_down feed a residual add, whose backward does not read them)
+        # layer's input gradient) beside their reduced results, and the attention's gradients
+        working = kept + (ff + ff - kept_ff) / t + (2 * d if t > 1 else 0) + (sq_work - sq_kept) * square
+        # what each layer keeps between its forward and its backward, in bytes: all of the above without remat
+        # (its input at the stored width, the rest at the working width); with a policy, its input and the named
+        # matmul outputs it saves that the backward reads (out_proj and mlp_down feed a residual add, whose
+        # backward does not read them; the exchange rounds' inputs kept by mlp_down are one working-width copy)
         named = {"qkv_proj": (h + 2 * kv) * hd / t, "attention": h * hd / t, "mlp_up": up / t, "mlp_down": down / t}
-        # (the exchange rounds' inputs kept by mlp_down are one copy, at the working width)
-        stored = kept if m.remat == "none" else res + sum(named.get(x, 0.0) * (wb / sb if x == "mlp_down" else 1)
-                                                         for x in KEPT.get(m.remat, ()))
+        stored = (res * sb + (kept - res) * wb if m.remat == "none" else res * sb + sum(
+            named.get(x, 0.0) * (wb if x == "mlp_down" else sb) for x in KEPT.get(m.remat, ())))
         s_ = sizes["pipe"]
         layers = comm.stage_layers(cfg, sizes) * par.pipeline_repeats  # a stage's layer slots
         # a pipeline stage runs each of its layers (M R + S - 1) / R times (bubble iterations included)
@@ -377,7 +385,7 @@ class Planner:
         held = tokens * (mr + s_ - 1) / mr if s_ > 1 else tokens
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
         # plus one layer's working set: the backward's (and, under remat, its recompute's)
-        act = layers * held * stored * sb + micro * working * wb
+        act = layers * held * stored + micro * working * wb
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
         if f1b:
             m_ = par.microbatches or s_
@@ -387,7 +395,7 @@ class Planner:
             # the stash, one chunk's activations and working set, and the first stage's input gradients kept
             # for the embedding's weight gradient (C microbatches' of them)
             act = ((min(m_ * r_, 2 * r_ * s_ - 1) + embed_chunk(s_, m_, r_)) * micro * d * ab
-                   + layers // r_ * micro * stored * sb + micro * working * wb)
+                   + layers // r_ * micro * stored + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
             act += 2 * tokens * d * ab

@@ -494,7 +494,7 @@ MUTANTS = [
       'scattered = par.zero >= 3 and sizes["pipe"] == 1',
       ["tests/test_plan.py::test_planner_state_and_traffic_match_a_hand_count[data8-zero1]"]),
     M("mm-megatron-sp-stores-whole-input", "memory-model", "jaxpar/plan.py",
-      'stored = kept if m.remat == "none" else res + sum(', 'stored = kept if m.remat == "none" else d + sum(',
+      'if m.remat == "none" else res * sb + sum(', 'if m.remat == "none" else d * sb + sum(',
       ["tests/test_plan.py::test_model_matches_the_compiled_step[data2-tensor4-megatron_spTrue-gpt]"]),
     M("mm-exchange-rounds-keep-up", "memory-model", "jaxpar/plan.py",
       "kept_ff, up, down = 2 * e.top_k * d * t, 0.0, e.top_k * d * t",
