@@ -303,7 +303,9 @@ def _dims(t: str) -> list[int]:
 def matmul_flops(hlo: str) -> float:
     """Flops of the dot / convolution-free matmuls actually executed: 2 x output elements x contracted
     size for every ``dot``, times the trip counts of the loops around it (XLA:CPU's cost analysis
-    counts a loop body once, so it undercounts scanned layers and pipelines)."""
+    counts a loop body once, so it undercounts scanned layers and pipelines). A dot in a conditional's
+    branch counts as if the branch ran: the busiest device's count (a pipeline's head matmuls run on its
+    last stage only, :func:`conditional_branches`)."""
     comps, entry = parse_computations(hlo)
     mult, _ = _multiplicity(comps, entry)
     total = 0.0
