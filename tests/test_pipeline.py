@@ -154,19 +154,20 @@ def test_pipe_traffic_is_point_to_point(sched):
     assert outer <= reduces[2]["bytes"] <= 1.01 * outer, (reduces, outer)
 
 
-@pytest.mark.parametrize("sched", ["gpipe", "1f1b"])
-def test_head_and_embedding_run_on_their_stage_only(sched):
+@pytest.mark.parametrize("sched, tensor", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1)])
+def test_head_and_embedding_run_on_their_stage_only(sched, tensor):
     """The head's matmuls (every ``dot`` with a dimension of a device's vocabulary slice, 384 of a padded 768
-    split over tensor = 2: no other dimension of the model) and the embedding's gather from the table and its
-    gradient's scatter into it sit only inside one branch of conditionals (``jaxpar.hlo.conditional_branches``),
+    split over tensor = 2, or 768 on pipe alone: no other dimension of the model) and the embedding's gather
+    from the table and its gradient's scatter into it sit only inside one branch of conditionals
+    (``jaxpar.hlo.conditional_branches``),
     never where every device runs them; the other branch holds none of them, and no branch holds a collective
     (jaxpar.layers.onstage: the devices that take different branches still issue the same collectives)."""
     from jaxpar import hlo
 
-    cfg = config("llama_gqa", **L4, model__vocab_size=700, parallel__pipe=2, parallel__tensor=2, parallel__data=2,
-                 parallel__microbatches=4, parallel__pipeline_schedule=sched)
+    cfg = config("llama_gqa", **L4, model__vocab_size=700, parallel__pipe=2, parallel__tensor=tensor,
+                 parallel__data=tensor, parallel__microbatches=4, parallel__pipeline_schedule=sched)
     text = trainer(cfg).hlo_text()
-    v, d = 384, cfg.model.d_model
+    v, d = 768 // tensor, cfg.model.d_model
     comps, _ = hlo.parse_computations(text)
     always, conds = hlo.conditional_branches(text)
 

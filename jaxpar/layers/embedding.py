@@ -69,8 +69,10 @@ class VocabParallelEmbed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         rules = active_rules()
-        if rules is None or rules.mesh is None or not rules.manual_axes():
-            return jnp.take(self.table(), ids, axis=0).astype(self.dtype)
+        if rules is None or rules.mesh is None or not rules.manual_axes():  # (a pipeline's first stage: the
+            # gather there only, every other axis of the mesh being of size 1)
+            return when(predicate(), lambda ids, table: jnp.take(table, ids, axis=0).astype(self.dtype),
+                        lambda ids, table: jnp.zeros((*ids.shape, table.shape[1]), self.dtype), ids, self.table())
         return self._lookup(ids, rules)
 
     def _lookup(self, ids: jax.Array, rules) -> jax.Array:
