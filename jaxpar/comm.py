@@ -147,7 +147,9 @@ class Runs:
     """How often one train step runs each part of the model, per device (:func:`step_runs`): ``fwd`` / ``bwd`` /
     ``redo`` layer runs (forward, backward, and the forward again under remat) on ``layer_rows`` sequences
     each; ``moe_*`` the MoE layers' share; ``head`` / ``lookup`` the loss head's and the embedding lookup's runs
-    on the whole ``rows`` (per microstep: times ``k``); ``iters`` the pipeline's iterations per microstep."""
+    on the whole ``rows`` (per microstep: times ``k``), as their collectives count them: in a pipeline every
+    stage runs them (1F1B: in every iteration of its loops), on zeros where their matmuls and gathers do not
+    run (:mod:`jaxpar.layers.onstage`); ``iters`` the pipeline's iterations per microstep."""
 
     k: int
     rows: int

@@ -256,6 +256,45 @@ def collectives(hlo: str, mesh_shape: dict[str, int] | None = None, min_bytes: i
     return out
 
 
+def _callees(ins: Instr, branches: bool = True) -> list[str]:
+    out = [c for key in ("to_apply", "calls", "body", "condition")
+           for c in re.findall(key + r"=%?([\w.\-]+)", ins.text)]
+    br = re.search(r"branch_computations=\{([^}]*)\}", ins.text)
+    if branches:
+        out += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.text)
+        out += re.findall(r"%?([\w.\-]+)", br.group(1)) if br else []
+    return out
+
+
+def _reach(comps: dict[str, list[Instr]], start: str, branches: bool = True) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        todo += [k for ins in comps[c] for k in _callees(ins, branches)]
+    return seen
+
+
+def conditional_branches(hlo: str) -> tuple[set[str], list[tuple[str, list[set[str]]]]]:
+    """Where each computation runs: the computations the entry reaches without entering a ``conditional``'s
+    branch (they run on every device, loops included), and for each conditional its name and, per branch,
+    the computations that branch reaches without entering a nested conditional's branch (they run only on
+    the devices that take it, and the nested conditional decides the rest)."""
+    comps, entry = parse_computations(hlo)
+    always = _reach(comps, entry, branches=False) if entry else set()
+    conds = []
+    for instrs in comps.values():
+        for ins in instrs:
+            if ins.opcode == "conditional":
+                br = re.search(r"branch_computations=\{([^}]*)\}", ins.text)
+                names = (re.findall(r"%?([\w.\-]+)", br.group(1)) if br else
+                         re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.text))
+                conds.append((ins.name, [_reach(comps, b, branches=False) for b in names]))
+    return always, conds
+
+
 def _dims(t: str) -> list[int]:
     m = _ARRAY.search(t)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
@@ -264,7 +303,9 @@ def _dims(t: str) -> list[int]:
 def matmul_flops(hlo: str) -> float:
     """Flops of the dot / convolution-free matmuls actually executed: 2 x output elements x contracted
     size for every ``dot``, times the trip counts of the loops around it (XLA:CPU's cost analysis
-    counts a loop body once, so it undercounts scanned layers and pipelines)."""
+    counts a loop body once, so it undercounts scanned layers and pipelines). A dot in a conditional's
+    branch counts as if the branch ran: the busiest device's count (a pipeline's head matmuls run on its
+    last stage only, :func:`conditional_branches`)."""
     comps, entry = parse_computations(hlo)
     mult, _ = _multiplicity(comps, entry)
     total = 0.0

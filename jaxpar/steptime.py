@@ -12,7 +12,9 @@ run by ``--calibrate``).
                (``full``: all of it) and 1F1B's recompute of each stage for its backward
 ``bubble``     what a pipeline's lock-step iterations compute beyond the model: the warm-up and
                cool-down iterations (on zeros), the padding slots of uneven stages, and the head and
-               loss, which every stage runs (lock-step) where one would do
+               loss, which the last stage runs on the whole batch while the others wait (their matmuls
+               run on that stage only, :mod:`jaxpar.layers.onstage`, but the step waits for them: the
+               last stage's head is on every stage's critical path, against one S-th of it in the ideal)
 ``overhead``   flops the program runs that the model does not count: the masked half of causal
                attention where the kernel computes the whole square (``xla``; flash kernels skip it)
                and the padded vocabulary's columns
@@ -141,7 +143,7 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     bwd = 2 * layer(ru.bwd, n_moe_runs[1])
     redo = (layer(f1b_redo, n_moe_runs[1] if ru.f1b else 0) + recompute_share * layer(ru.redo, n_moe_runs[2]))
     vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple  # a device's padded vocabulary slice
-    head_tokens = ru.k * ru.head * ru.rows * ru.tl
+    head_tokens = ru.k * ru.rows * ru.tl  # the last stage's, once per microbatch (under 1F1B too: not in the bubble)
     head = 6 * m.d_model * vocab * head_tokens
     model = fl.model_flops_per_step(cfg) / n_devices
     # the same work without a pipeline's extras: the device's share of the layers, and of the head (one stage's)

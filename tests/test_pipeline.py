@@ -42,6 +42,8 @@ CASES = [
     ("llama_gqa", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2)),
     ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2)),
     ("gpt2", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=4, parallel__data=2)),
+    # the embedding and head on their stage only (jaxpar.layers.onstage) with ZeRO-1 and accumulation
+    ("gpt2", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2, parallel__zero=1, train__grad_accum=2)),
     # (seq x tensor with Megatron-SP, and ZeRO-1 with gradient accumulation: under 1F1B below; the schedules
     # share the stage function and the optimizer step)
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4)),
@@ -150,6 +152,76 @@ def test_pipe_traffic_is_point_to_point(sched):
     outer = 4 * (256 * cfg.model.d_model * 2 // 2 + cfg.model.d_model)
     assert reduces[2] == reduces[16] and reduces[2]["count"] <= 6, reduces
     assert outer <= reduces[2]["bytes"] <= 1.01 * outer, (reduces, outer)
+
+
+@pytest.mark.parametrize("sched, tensor", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1)])
+def test_head_and_embedding_run_on_their_stage_only(sched, tensor):
+    """The head's matmuls (every ``dot`` with a dimension of a device's vocabulary slice, 384 of a padded 768
+    split over tensor = 2, or 768 on pipe alone: no other dimension of the model) and the embedding's gather
+    from the table and its gradient's scatter into it sit only inside one branch of conditionals
+    (``jaxpar.hlo.conditional_branches``),
+    never where every device runs them; the other branch holds none of them, and no branch holds a collective
+    (jaxpar.layers.onstage: the devices that take different branches still issue the same collectives)."""
+    from jaxpar import hlo
+
+    cfg = config("llama_gqa", **L4, model__vocab_size=700, parallel__pipe=2, parallel__tensor=tensor,
+                 parallel__data=tensor, parallel__microbatches=4, parallel__pipeline_schedule=sched)
+    text = trainer(cfg).hlo_text()
+    v, d = 768 // tensor, cfg.model.d_model
+    comps, _ = hlo.parse_computations(text)
+    always, conds = hlo.conditional_branches(text)
+
+    def holds(c, what):
+        types = {i.name: i.type for i in comps[c]}
+        for i in comps[c]:
+            shapes = [hlo._dims(i.type)] + [hlo._dims(types.get(o, "")) for o in i.operands]
+            if what == "dot" and i.opcode == "dot" and any(v in sh for sh in shapes):
+                return True
+            if what == "table" and i.opcode in ("gather", "scatter") and [v, d] in shapes:
+                return True
+        return False
+
+    for what in ("dot", "table"):
+        where = {c for c in comps if holds(c, what)}
+        assert where and not where & always, (what, where & always)
+        for name, branches in conds:
+            n = [bool(b & where) for b in branches]
+            assert sum(n) <= 1, (what, name)  # one branch does the work, the other none of it
+        assert where <= set().union(*(b for _, bs in conds for b in bs)), what
+    collective = lambda c: any(i.opcode.removesuffix("-start") in hlo.KINDS for i in comps[c])  # noqa: E731
+    for name, branches in conds:
+        if any(holds(c, w) for b in branches for c in b for w in ("dot", "table")):
+            assert not any(collective(c) for b in branches for c in b), name
+
+
+def test_a_branch_taken_per_device_holds_no_collective():
+    """jaxpar.layers.onstage.when runs its function where the predicate holds (here the second stage) and the
+    other elsewhere; it refuses a branch that communicates (a psum, or a cast to varying of an operand, whose
+    transpose is a psum), and one traced where an axis is left to XLA's partitioner; without a predicate it is
+    the function itself."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.layers.onstage import when
+
+    mesh = jax.make_mesh((2, 2), ("pipe", "tensor"), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    x = jax.numpy.arange(8.0)
+
+    def run(fn, axis_names=("pipe", "tensor"), check_vma=False):
+        body = lambda x: when(jax.lax.axis_index("pipe") == 1, fn, lambda x: x, x)  # noqa: E731
+        t = "tensor" if "tensor" in axis_names else None
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(t), out_specs=P(("pipe", t) if t else "pipe"),
+                                     axis_names=set(axis_names), check_vma=check_vma))(x)
+
+    got = np.asarray(run(lambda x: 2 * x))
+    np.testing.assert_array_equal(got, np.concatenate([np.arange(8.0), 2 * np.arange(8.0)]))
+    with pytest.raises(ValueError, match=r"collectives \['psum'\]"):
+        run(lambda x: jax.lax.psum(x, "tensor"))
+    with pytest.raises(ValueError, match=r"collectives \['pcast'\]|collectives \['pvary'\]"):
+        run(lambda x: x * jax.lax.pcast(x.sum(), ("pipe",), to="varying"), check_vma=True)
+    with pytest.raises(RuntimeError, match="manual over every mesh axis"):
+        run(lambda x: 2 * x, axis_names=("pipe",))
+    assert when(None, lambda x: 2 * x, lambda x: x, 3.0) == 6.0
 
 
 def test_stage_weights_are_split_over_pipe():

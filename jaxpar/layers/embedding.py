@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.layers.onstage import predicate, varying, when
 from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
@@ -68,8 +69,10 @@ class VocabParallelEmbed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         rules = active_rules()
-        if rules is None or rules.mesh is None or not rules.manual_axes():
-            return jnp.take(self.table(), ids, axis=0).astype(self.dtype)
+        if rules is None or rules.mesh is None or not rules.manual_axes():  # (a pipeline's first stage: the
+            # gather there only, every other axis of the mesh being of size 1)
+            return when(predicate(), lambda ids, table: jnp.take(table, ids, axis=0).astype(self.dtype),
+                        lambda ids, table: jnp.zeros((*ids.shape, table.shape[1]), self.dtype), ids, self.table())
         return self._lookup(ids, rules)
 
     def _lookup(self, ids: jax.Array, rules) -> jax.Array:
@@ -77,29 +80,49 @@ class VocabParallelEmbed(nnx.Module):
         vocabulary shard (zeros for the others), and one collective over ``tensor`` completes the sum
         in the compute dtype: an all-reduce, or under Megatron-SP a reduce-scatter along the sequence
         that also leaves the output split like the residual stream (its backward an all-gather, not
-        a table all-reduce). The table's gradient is a local scatter-add on each rank's shard."""
+        a table all-reduce). The table's gradient is a local scatter-add on each rank's shard.
+
+        In a pipeline's :func:`~jaxpar.layers.onstage.only_where` (its first stage) the gather runs only
+        where the predicate holds (zeros elsewhere), the collective over ``tensor`` on every device; the
+        table is cast to varying over the token axes before the branch, so that its gradient's sum over
+        them (that cast's transpose) stays outside the branch as well."""
         p = rules.params
         tensor = rules.axis_size("tensor") > 1
+        pred = predicate()
 
-        def local(ids, table):
-            if tensor:
-                rows = table.shape[0]
-                local_ids = ids - jax.lax.axis_index("tensor") * rows
-                ok = (local_ids >= 0) & (local_ids < rows)
-                x = jnp.where(ok[..., None], jnp.take(table, jnp.where(ok, local_ids, 0), axis=0), 0)
-            else:
-                x = jnp.take(table, ids, axis=0)
-            x = x.astype(self.dtype)
+        def local(ids, table, pred):
+            rows = table.shape[0]
+            first = jax.lax.axis_index("tensor") * rows if tensor else 0
+
+            def lookup(ids, table):
+                if tensor:
+                    local_ids = ids - first
+                    ok = (local_ids >= 0) & (local_ids < rows)
+                    return jnp.where(ok[..., None], jnp.take(table, jnp.where(ok, local_ids, 0), axis=0),
+                                     0).astype(self.dtype)
+                return jnp.take(table, ids, axis=0).astype(self.dtype)
+
+            if pred is not None:  # both as varying as the lookup (the casts' transposes outside the branch)
+                both = varying(ids) | varying(table) | ({"tensor"} if tensor else set())
+                ids, table = (jax.lax.pcast(a, tuple(sorted(both - varying(a))), to="varying")
+                              if both - varying(a) else a for a in (ids, table))
+            def nothing(ids, table):  # zeros as varying as the lookup's
+                z = jnp.zeros((*ids.shape, table.shape[1]), self.dtype)
+                return jax.lax.pcast(z, tuple(sorted(varying(table))), to="varying") if varying(table) else z
+
+            x = when(pred, lookup, nothing, ids, table)
             if not tensor:
                 return x
             if rules.megatron_sp:
                 return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
             return jax.lax.psum(x, "tensor")
 
-        fn = jax.shard_map(local, mesh=p.mesh,
-                           in_specs=(p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed"))),
-                           out_specs=p.spec(("batch", "res_length", "act_embed")))
-        return fn(ids, self.embedding[...])
+        in_specs = (p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed")))
+        if pred is None:
+            return jax.shard_map(lambda ids, table: local(ids, table, None), mesh=p.mesh, in_specs=in_specs,
+                                 out_specs=p.spec(("batch", "res_length", "act_embed")))(ids, self.embedding[...])
+        return jax.shard_map(local, mesh=p.mesh, in_specs=(*in_specs, jax.sharding.PartitionSpec()),
+                             out_specs=p.spec(("batch", "res_length", "act_embed")))(ids, self.embedding[...], pred)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output logits ``x @ table.T`` (float32, ``[..., vocab_padded]``)."""

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.layers.attention_ops import NEG
+from jaxpar.layers.onstage import predicate, when
 from jaxpar.layers.precision import f32_einsum
 from jaxpar.partitioning import active_rules
 
@@ -95,9 +96,10 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     rules = active_rules()
     mesh = None if rules is None else rules.mesh
     chunking = (chunk_tokens, _MIN_CHUNKS.get())
+    pred = predicate()  # a pipeline's: the head runs on its last stage only (jaxpar.layers.onstage)
     if rules is None or mesh is None or not rules.manual_axes():
         kernel = _Kernel(vocab_size, padded, layout, dtype, chunking, n_tokens, (), (), False)
-        return _differentiable(kernel.__call__)(x, w, labels)
+        return _differentiable(lambda x, w, t, pred, grads=False: kernel(x, w, t, grads, pred))(x, w, labels, pred)
     tokens_spec = rules.params.spec(("batch", "length"))
     t_spec = tokens_spec if weights is None else (tokens_spec, tokens_spec, P())
     big = lambda names: tuple(a for n in names for a in rules.params.axes(n) if mesh.shape[a] > 1)  # noqa: E731
@@ -115,43 +117,50 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
     # (the tied table's lookup gradient: one all-reduce, or one reduce-scatter into ZeRO's layout)
     parts_spec = P(token_axes or None, *w_spec)
 
-    def local(x, w, t, grads):
+    def local(x, w, t, pred, grads):
         if not grads:
-            return kernel(x, w, t)
-        loss, dx, dw = kernel(x, w, t, grads=True)
+            return kernel(x, w, t, pred=pred)
+        loss, dx, dw = kernel(x, w, t, grads=True, pred=pred)
         return loss, dx, dw[None]  # this device's partial sum
 
-    def sharded(grads: bool):
+    def sharded(grads: bool, with_pred: bool):
         out = (P(), x_spec, parts_spec) if grads else P()
-        fn = jax.shard_map(lambda x, w, t: local(x, w, t, grads), mesh=mesh, in_specs=(x_spec, w_spec, t_spec),
-                           out_specs=out, axis_names=manual, check_vma=False)
+        if with_pred:
+            fn = jax.shard_map(lambda x, w, t, pred: local(x, w, t, pred, grads), mesh=mesh,
+                               in_specs=(x_spec, w_spec, t_spec, P()), out_specs=out, axis_names=manual,
+                               check_vma=False)
+        else:
+            fn3 = jax.shard_map(lambda x, w, t: local(x, w, t, None, grads), mesh=mesh,
+                                in_specs=(x_spec, w_spec, t_spec), out_specs=out, axis_names=manual, check_vma=False)
+            fn = lambda x, w, t, _: fn3(x, w, t)  # noqa: E731
 
-        def run(x, w, t):
+        def run(x, w, t, pred):
             if not grads:
-                return fn(x, w, t)
-            loss, dx, dw_parts = fn(x, w, t)
-            return loss, dx, jnp.sum(dw_parts, axis=0)
+                return fn(x, w, t, pred)
+            loss, dx, dw_parts = fn(x, w, t, pred)
+            return loss, dx, jnp.sum(dw_parts, axis=0)  # outside any branch: on every device
 
         return run
 
-    return _differentiable(lambda x, w, t, grads=False: sharded(grads)(x, w, t))(x, w, labels)
+    return _differentiable(lambda x, w, t, pred, grads=False: sharded(grads, pred is not None)(x, w, t, pred))(
+        x, w, labels, pred)
 
 
 def _differentiable(run):
-    """``run(x, w, t, grads)`` -> loss, or (loss, dx, dw) with grads: a function of (x, w, t) whose
-    VJP scales the forward's ``dx``, ``dw`` by the cotangent of the loss."""
+    """``run(x, w, t, pred, grads)`` -> loss, or (loss, dx, dw) with grads: a function of (x, w, t, pred) whose
+    VJP scales the forward's ``dx``, ``dw`` by the cotangent of the loss (``pred``: see :meth:`_Kernel.__call__`)."""
 
     @jax.custom_vjp
-    def f(x, w, t):
-        return run(x, w, t, grads=False)
+    def f(x, w, t, pred):
+        return run(x, w, t, pred, grads=False)
 
-    def fwd(x, w, t):
-        loss, dx, dw = run(x, w, t, grads=True)
+    def fwd(x, w, t, pred):
+        loss, dx, dw = run(x, w, t, pred, grads=True)
         return loss, (dx, dw)
 
     def bwd(res, g):
         dx, dw = res
-        return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
+        return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None
 
     f.defvjp(fwd, bwd)
     return f
@@ -169,8 +178,10 @@ class _Kernel:
     def _psum(self, v, axes):
         return jax.lax.psum(v, axes) if axes else v
 
-    def __call__(self, x, w, targets, grads: bool = False):
-        """``targets [B, T]``, or ``(targets, weights [B, T], denominator)`` (see :func:`head_cross_entropy`)."""
+    def __call__(self, x, w, targets, grads: bool = False, pred=None):
+        """``targets [B, T]``, or ``(targets, weights [B, T], denominator)`` (see :func:`head_cross_entropy`).
+        With ``pred`` (a boolean scalar: :func:`~jaxpar.layers.onstage.only_where`) the matmuls run only where
+        it holds (elsewhere the statistics are dummies, ``dx`` and ``dw`` zeros); the collectives run either way."""
         x_dtype, w_dtype = x.dtype, w.dtype
         if isinstance(targets, tuple):
             targets, weights, denom = targets
@@ -187,32 +198,48 @@ class _Kernel:
         wc = w.astype(self.dtype)
         chunks = lambda a: jnp.swapaxes(a.reshape(b, n, t // n, *a.shape[2:]), 0, 1)  # noqa: E731  [n, B, T/n, ...]
 
-        def chunk(carry, xt):
-            loss, dw = carry
-            xc, tc, wc_ = xt
-            xc = xc.astype(self.dtype)
+        def stats(xc, tc):  # this vocabulary shard's logits and per-token statistics (no collective)
             logits = f32_einsum(f"btd,{self.layout}->btv", xc, wc)
             if self.padded:  # (static: without padded columns no select, and no copy of the logits)
                 logits = jnp.where(cols < self.vocab_size, logits, NEG)
-            m = jax.lax.pmax(jnp.max(logits, -1), self.vocab_axes) if self.vocab_axes else jnp.max(logits, -1)
-            s = self._psum(jnp.sum(jnp.exp(logits - m[..., None]), -1), self.vocab_axes)
+            m = jnp.max(logits, -1)
+            s = jnp.sum(jnp.exp(logits - m[..., None]), -1)
             # the target's logit by a gather (zero where another vocabulary shard holds the target)
             local = tc - first
             mine = (local >= 0) & (local < local_vocab)
             picked = jnp.take_along_axis(logits, jnp.clip(local, 0, local_vocab - 1)[..., None], -1)[..., 0]
-            target = self._psum(jnp.where(mine, picked, 0.0), self.vocab_axes)
-            ce = jnp.log(s) + m - target
-            loss = loss + jnp.sum(ce if wc_ is None else wc_ * ce)
-            if not grads:
-                return (loss, dw), None
+            return logits, m, s, jnp.where(mine, picked, 0.0)
+
+        def no_stats(xc, tc):  # finite dummies (log 1 + 0 - 0), never used
+            zero = jnp.zeros(tc.shape, jnp.float32)
+            return jnp.zeros((*tc.shape, local_vocab), jnp.float32), zero, zero + 1, zero
+
+        def chunk_grads(logits, lse, xc, tc, wc_, dw):
             # softmax from the log-sum-exp rather than from `e`: the exponentials are recomputed in this
             # fusion, so `e` is only ever a reduction's input and no third [tokens, vocab] buffer exists
-            lse = m + jnp.log(s)
             hit = cols == tc[..., None]
             d = jnp.exp(logits - lse[..., None]) - hit
             dlogits = (d / denom if wc_ is None else d * (wc_ / denom)[..., None]).astype(self.dtype)
             dx = f32_einsum(f"btv,{self.layout}->btd", dlogits, wc)
-            dw = dw + f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
+            return dx, dw + f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
+
+        def no_grads(logits, lse, xc, tc, wc_, dw):
+            return jnp.zeros(xc.shape, jnp.float32), dw
+
+        def chunk(carry, xt):
+            loss, dw = carry
+            xc, tc, wc_ = xt
+            xc = xc.astype(self.dtype)
+            logits, m, s, target = when(pred, stats, no_stats, xc, tc)
+            if self.vocab_axes:  # the whole vocabulary's: a max and two sums over its shards
+                m_all = jax.lax.pmax(m, self.vocab_axes)
+                s = jax.lax.psum(s * jnp.exp(m - m_all), self.vocab_axes)
+                m, target = m_all, jax.lax.psum(target, self.vocab_axes)
+            ce = jnp.log(s) + m - target
+            loss = loss + jnp.sum(ce if wc_ is None else wc_ * ce)
+            if not grads:
+                return (loss, dw), None
+            dx, dw = when(pred, chunk_grads, no_grads, logits, m + jnp.log(s), xc, tc, wc_, dw)
             return (loss, dw), dx
 
         dw0 = jnp.zeros(w.shape, jnp.float32) if grads else None

@@ -35,11 +35,14 @@ iteration's layer group itself, so that no per-iteration copy of its weights is 
 holds its own stage and its own buffers, the embedding's result counts on the first stage only and
 the head's and loss's on the last only. What crosses ``pipe``: the stage shifts, and once per step
 the embedding's / head's gradients and the loss summed over the stages (each nonzero on one stage);
-never the batch or a stage's weights. Every device runs the same program, though: the embedding and
-the head are computed on every stage and selected, and bubble work runs on zeros (:func:`_when`:
-per-device control flow deadlocked XLA:CPU's collectives). Forwards and backwards interleave, the
-stage inputs of at most 2S - 1 microbatches held per stage. Long by design: the schedules share
-their shifts, buffers and schedule grids here.
+never the batch or a stage's weights. The embedding's gather runs on the first stage only and the
+head's matmuls on the last only (:func:`~jaxpar.layers.onstage.only_where`: a ``lax.cond`` on the stage
+inside the layer's ``shard_map``, holding no collective; the layer's collectives, and everything else
+of the embedding and the head, run on every stage, on zeros where they do not count), and the results
+are selected. Bubble work runs on zeros (a per-device branch around a stage, whose layers hold
+collectives, would let XLA:CPU's runtime issue them out of order: see :mod:`jaxpar.layers.onstage`).
+Forwards and backwards interleave, the stage inputs of at most 2S - 1 microbatches held per stage.
+Long by design: the schedules share their shifts, buffers and schedule grids here.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.layers.loss import min_chunks
+from jaxpar.layers.onstage import only_where
 from jaxpar.partitioning import RuleSet, active_rules, constrain, use_rules
 
 
@@ -104,10 +108,12 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
     finishes, whose loss it computes once after the loop, in chunks of at most one microbatch
     (:func:`~jaxpar.layers.loss.min_chunks`: the head's temporaries stay one microbatch's at any M);
     one weight gradient for the embedding and one for the head per step, each on its own stage, summed
-    over ``pipe`` by the ``shard_map``'s transpose. A stage in the bubble computes on zeros (its results
-    are never used; see :func:`_when`; a ``lax.cond`` would also make the scan's gradient keep what the
-    branch reads, the stage's weights included, as a residual of every iteration: 4.0 -> 6.4 MiB per
-    device on the planner's ``data=4 x pipe=2`` layout). With R > 1 a
+    over ``pipe`` by the ``shard_map``'s transpose; the embedding's gather and the head's matmuls run on
+    their stage only (:func:`~jaxpar.layers.onstage.only_where`; after the loop, so no ``lax.cond`` sits
+    in the scan). A stage in the bubble computes on zeros (its results are never used; a ``lax.cond``
+    around the stage would hold its layers' collectives (:mod:`jaxpar.layers.onstage`) and make the
+    scan's gradient keep what the branch reads, the stage's weights included, as a residual of every
+    iteration: 4.0 -> 6.4 MiB per device on the planner's ``data=4 x pipe=2`` layout). With R > 1 a
     microbatch leaving the last stage goes round the ring to stage 0, which holds it until its next
     repeat (t = (r+1) M + m; needs M >= S). What crosses ``pipe``: one ``ppermute`` of a microbatch's
     activations per iteration (M R + S - 1) and its transpose in the backward, and the embedding /
@@ -142,8 +148,8 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
         # one buffer of M microbatch slots per stage: on stage 0 the embedded batch (embedded once, before the
         # loop) and, with R > 1, the microbatches waiting there for their next repeat; on the last stage the
         # outputs of the last repeat, for the loss after the loop
-        buf = _when(s == 0, lambda o: _split_mb(first_fn(o, toks).astype(x0.dtype), m_, act),
-                   lambda o: jnp.zeros((m_, *x0.shape), x0.dtype), outer_)
+        with only_where(s == 0):  # the embedding's gather on the first stage only (jaxpar.layers.onstage)
+            buf = _split_mb(jnp.where(s == 0, first_fn(outer_, toks).astype(x0.dtype), 0), m_, act)
         c = dict(state=jnp.zeros(x0.shape, x0.dtype), buf=buf,
                  ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None))
 
@@ -178,9 +184,10 @@ def pipeline_loss(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *
             # (an output of the shard_map: no constraint of the other axes' layout here; the caller's, outside)
             y = c["buf"].swapaxes(0, 1).reshape(b, *c["buf"].shape[2:])
             return jnp.where(s == s_ - 1, y, 0)[None], ys
-        with min_chunks(m_):  # the head's temporaries: one microbatch's (each chunk at most one)
-            loss = _when(s == s_ - 1, lambda o: last_fn(o, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32),
-                         lambda o: jnp.zeros((), jnp.float32), outer_)
+        # the head's temporaries: one microbatch's (each chunk at most one); its matmuls on the last stage only
+        with min_chunks(m_), only_where(s == s_ - 1):
+            loss = last_fn(outer_, _batch_of(c["buf"], b, act), tgts).astype(jnp.float32)
+        loss = jnp.where(s == s_ - 1, loss, 0.0)
         return loss[None], ys
 
     def body(p_leaves, o_leaves, toks, tgts, rws, toks_mb):
@@ -355,11 +362,13 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     The schedule runs in a ``shard_map`` manual over ``pipe`` (every other axis stays the compiler's,
     under :meth:`~jaxpar.partitioning.RuleSet.manual_pipe`): each device holds its stage's stash and
     accumulators; the embedding's result counts on the first stage only, the loss and the head's
-    gradient on the last only (both computed everywhere and masked, as bubble work is: see
-    :func:`_when`). What crosses ``pipe``: one ``ppermute`` of a microbatch's activations forward and
-    one of a gradient backward per iteration (2M + 3(S-1) in all: the warm-up sends no gradient; against
-    the minimum 2M; interleaved 2MR + RS + 2S - 3 against 2MR), and once per step the sum over stages of
-    the embedding / head gradients (each nonzero on one stage only) and of the loss.
+    gradient on the last only: the embedding's gather and the head's matmuls run there only
+    (:func:`~jaxpar.layers.onstage.only_where`, per microbatch; their collectives and the rest run on
+    every stage, masked), bubble work on zeros. What crosses ``pipe``: one ``ppermute`` of a
+    microbatch's activations forward and one of a gradient backward per iteration (2M + 3(S-1) in all:
+    the warm-up sends no gradient; against the minimum 2M; interleaved 2MR + RS + 2S - 3 against 2MR),
+    and once per step the sum over stages of the embedding / head gradients (each nonzero on one stage
+    only) and of the loss.
     """
     s_, m_, r_ = stages, microbatches, repeats
     if r_ > 1 and m_ % s_:
@@ -426,7 +435,9 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             n = dins.shape[0]
             part = jax.tree.map(lambda a: _batch_of(jax.lax.dynamic_slice_in_dim(a, first, n, 0), n * mb,
                                                     ("batch", "length")), toks)
-            _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), part), [o_leaves[i] for i in first_used])
+            with only_where(ok):  # the scatter into the table on the first stage only
+                _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), part),
+                                 [o_leaves[i] for i in first_used])
             grads = vjp(_batch_of(dins, n * mb, act))[0]
             return add(douter, first_used, [jnp.where(ok, g, 0) for g in grads])
 
@@ -437,9 +448,10 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             k = jnp.clip(t - s, 0, m_ * r_ - 1)
             f_ok = (t - s >= 0) & (t - s < m_ * r_)
             fm, fr = _f1b_unslot(k, s_, r_)
-            x = _when((s == 0) & (fr == 0), lambda c: first_fn(outer_, _take(toks, fm)).astype(x0.dtype),
-                      lambda c: c["fwd"], c)
-            if lead_fn is not None:  # the lead-in on stage 0's chunk 0 (computed everywhere, as the embedding)
+            embeds = (s == 0) & (fr == 0)
+            with only_where(embeds & f_ok):  # the embedding's gather on the first stage only
+                x = jnp.where(embeds, first_fn(outer_, _take(toks, fm)).astype(x0.dtype), c["fwd"])
+            if lead_fn is not None:  # the lead-in on stage 0's chunk 0 (layers: computed everywhere, selected)
                 x = jnp.where((s == 0) & (fr == 0), lead_fn(outer_, x, _take(toks, fm)).astype(x0.dtype), x)
             x = constrain(x, act)
             y = stage(p_leaves, x, fr, _take(rws, fm))
@@ -463,10 +475,11 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             if y is None:  # no forward this iteration: not the last stage's turn
                 g = c["bwd"]
             else:
-                loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, _take(tgts, bmm)),
-                                    [o_leaves[i] for i in last_used], y)
-                d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
                 last_ok = last & b_ok
+                with only_where(last_ok):  # the head's matmuls on the last stage only
+                    loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, _take(tgts, bmm)),
+                                        [o_leaves[i] for i in last_used], y)
+                d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
                 c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
                 c["douter"] = add(c["douter"], last_used, [jnp.where(last_ok, d, 0) for d in d_last])
                 g = jnp.where(last, dy.astype(x0.dtype), c["bwd"])
@@ -483,8 +496,10 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             if lead_fn is not None:  # stage 0's chunk 0: through the lead-in of this microbatch (run again)
                 first = (s == 0) & (br == 0) & b_ok
                 tok = _take(toks, bmm)
+                with only_where(first):
+                    e = first_fn(outer_, tok).astype(x0.dtype)
                 _, lead_vjp = jax.vjp(lambda o, e: lead_fn(with_leaves(lead_used, o), e, tok),
-                                      [o_leaves[i] for i in lead_used], first_fn(outer_, tok).astype(x0.dtype))
+                                      [o_leaves[i] for i in lead_used], e)
                 d_lead, de = lead_vjp(constrain(dx, act))
                 c["douter"] = add(c["douter"], lead_used, [jnp.where(first, d, 0) for d in d_lead])
                 dx = jnp.where(first, de.astype(x0.dtype), dx)
@@ -530,8 +545,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
         c.update(phase({k: c[k] for k in ("fwd", "stash", "ys")}, 0, warm, True, False))
         c = phase(c, warm, n_iters, True, True)
 
-        douter = c["douter"] if c_ < m_ else _when(s == 0, lambda d: embed_grads(d, c["dins"], 0, True),
-                                                     lambda d: d, c["douter"])
+        douter = c["douter"] if c_ < m_ else embed_grads(c["douter"], c["dins"], 0, s == 0)
         # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
         # over pipe once (zeros elsewhere)
         douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
@@ -571,16 +585,6 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     f.defvjp(run, f_bwd)  # the forward computes the loss and the gradients, kept as residuals
     loss, ys = f(leaves, outer_leaves, tokens, targets, rows)
     return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
-
-
-def _when(pred, fn, skip, operand):
-    """``fn(operand)`` where ``pred``, else ``skip(operand)``; both run on every device and the result is
-    selected, so that every device runs the same sequence of collectives. A ``lax.cond`` here (each
-    device deciding for itself: the embedding on the first stage only, the head on the last, nothing in
-    the bubble) deadlocked XLA:CPU's in-process collectives on the quick start's GPipe command (devices
-    stuck at different all-reduces; the rendezvous gave up after 40 s) and, with ring attention, mixed
-    up data of different iterations now and then (wrong numbers, or an abort)."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(operand), skip(operand))
 
 
 def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[tuple[str, int, int], ...]]]:
