@@ -292,7 +292,8 @@ def megatron_row(p, h, d, l, tp, pp, g, b, tf):
                  for r in (1, 2, 3, 4) if l % (pp * r) == 0]
     else:
         cands = [{**base, "parallel.microbatches": 0, "model.remat": "full", "train.grad_accum": b // dp}]
-    est = max((planner.estimate(c) for c in cands), key=lambda e: e.mfu)
+    ests = [planner.estimate(c) for c in cands]  # the fastest R of those that fit the A100's 80 GB
+    est = max([e for e in ests if e.memory["total"] <= 80 * GIB] or ests, key=lambda e: e.mfu)
     return planner, est, published
 
 
