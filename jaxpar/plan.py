@@ -23,8 +23,7 @@ it does not fit the device memory, and ranked by estimated step time. The model,
   the device): the block input (``d``; ``d / t`` under Megatron-SP) in every layer, plus one layer's
   working set and its weights in the compute layout (its gradient before the reduction, under ZeRO-3 the
   gathered copy, in the sorted dispatch's exchange rounds the experts' gradient summed over rounds);
-  ``save_dots``,
-  ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
+  ``save_dots``, ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
   that the backward reads (``qkv_proj (H + 2 KV) hd / t``, ``attention H hd / t``, ``mlp_up
   (2|1) ff / t``; ``out_proj`` and ``mlp_down`` feed a residual add, whose backward does not read
   them; the exchange rounds of a sorted dispatch over ``expert`` run again in their backward, so they keep
@@ -278,9 +277,8 @@ class Planner:
             mem["activations"] += per_device("compute", ab, stage_only=True)
         # one layer's weights in the compute layout while its backward runs: its gradient before the reduction
         # (and the slice or reduce-scatter to the optimizer's shard; a pipeline's are counted whole above),
-        # under ZeRO-3 its gathered weights, and in
-        # the sorted dispatch's exchange rounds the experts' gradient summed over rounds (a loop's carry in and
-        # out)
+        # under ZeRO-3 its gathered weights, and in the sorted dispatch's exchange rounds the experts' gradient
+        # summed over rounds (a loop's carry in and out)
         slots = next(x.shape[0] for x in leaves if x.stage) // sizes["pipe"]
         exchanged = m.arch == "moe" and cfg.moe.dispatch_path() == "sorted" and sizes["expert"] > 1
         mem["activations"] += per_device("compute", pb, stage_only=True) / slots * (

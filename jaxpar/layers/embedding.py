@@ -106,6 +106,7 @@ class VocabParallelEmbed(nnx.Module):
                 both = varying(ids) | varying(table) | ({"tensor"} if tensor else set())
                 ids, table = (jax.lax.pcast(a, tuple(sorted(both - varying(a))), to="varying")
                               if both - varying(a) else a for a in (ids, table))
+
             def nothing(ids, table):  # zeros as varying as the lookup's
                 z = jnp.zeros((*ids.shape, table.shape[1]), self.dtype)
                 return jax.lax.pcast(z, tuple(sorted(varying(table))), to="varying") if varying(table) else z
@@ -117,12 +118,12 @@ class VocabParallelEmbed(nnx.Module):
                 return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
             return jax.lax.psum(x, "tensor")
 
-        in_specs = (p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed")))
-        if pred is None:
-            return jax.shard_map(lambda ids, table: local(ids, table, None), mesh=p.mesh, in_specs=in_specs,
-                                 out_specs=p.spec(("batch", "res_length", "act_embed")))(ids, self.embedding[...])
-        return jax.shard_map(local, mesh=p.mesh, in_specs=(*in_specs, jax.sharding.PartitionSpec()),
-                             out_specs=p.spec(("batch", "res_length", "act_embed")))(ids, self.embedding[...], pred)
+        extra = () if pred is None else (pred,)  # the predicate enters replicated, when there is one
+        fn = jax.shard_map(lambda ids, table, *q: local(ids, table, q[0] if q else None), mesh=p.mesh,
+                           in_specs=(p.spec(("batch", "length")), rules.compute.spec(("vocab", "embed")),
+                                     *(jax.sharding.PartitionSpec(),) * len(extra)),
+                           out_specs=p.spec(("batch", "res_length", "act_embed")))
+        return fn(ids, self.embedding[...], *extra)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output logits ``x @ table.T`` (float32, ``[..., vocab_padded]``)."""

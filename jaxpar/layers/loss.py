@@ -123,27 +123,18 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, vocab_siz
         loss, dx, dw = kernel(x, w, t, grads=True, pred=pred)
         return loss, dx, dw[None]  # this device's partial sum
 
-    def sharded(grads: bool, with_pred: bool):
-        out = (P(), x_spec, parts_spec) if grads else P()
-        if with_pred:
-            fn = jax.shard_map(lambda x, w, t, pred: local(x, w, t, pred, grads), mesh=mesh,
-                               in_specs=(x_spec, w_spec, t_spec, P()), out_specs=out, axis_names=manual,
-                               check_vma=False)
-        else:
-            fn3 = jax.shard_map(lambda x, w, t: local(x, w, t, None, grads), mesh=mesh,
-                                in_specs=(x_spec, w_spec, t_spec), out_specs=out, axis_names=manual, check_vma=False)
-            fn = lambda x, w, t, _: fn3(x, w, t)  # noqa: E731
+    def run(x, w, t, pred, grads=False):
+        extra = () if pred is None else (pred,)  # the predicate enters replicated, when there is one
+        fn = jax.shard_map(lambda x, w, t, *p: local(x, w, t, p[0] if p else None, grads), mesh=mesh,
+                           in_specs=(x_spec, w_spec, t_spec, *(P(),) * len(extra)),
+                           out_specs=(P(), x_spec, parts_spec) if grads else P(), axis_names=manual,
+                           check_vma=False)
+        if not grads:
+            return fn(x, w, t, *extra)
+        loss, dx, dw_parts = fn(x, w, t, *extra)
+        return loss, dx, jnp.sum(dw_parts, axis=0)  # outside any branch: on every device
 
-        def run(x, w, t, pred):
-            if not grads:
-                return fn(x, w, t, pred)
-            loss, dx, dw_parts = fn(x, w, t, pred)
-            return loss, dx, jnp.sum(dw_parts, axis=0)  # outside any branch: on every device
-
-        return run
-
-    return _differentiable(lambda x, w, t, pred, grads=False: sharded(grads, pred is not None)(x, w, t, pred))(
-        x, w, labels, pred)
+    return _differentiable(run)(x, w, labels, pred)
 
 
 def _differentiable(run):
