@@ -764,3 +764,24 @@ def test_group_limited_routing_equals_transformers_deepseek_v3(norm):
 def test_bad_group_routing(over, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, ["model.arch=moe", *over])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch,layout", [("capacity", dict(data=2)), ("capacity", dict(data=2, seq=2)),
+                                             ("sorted", dict(data=2, expert=2))])
+def test_bfloat16_expert_gradients_are_summed_in_float32(dispatch, layout):
+    """Under ``model.compute_dtype=bfloat16`` the experts' weights enter the layer's ``shard_map`` in float32 and
+    are cast after they are made varying over the token axes: the sum of their gradient over those axes (the
+    cast's transpose) runs in float32. (It ran in bfloat16, losing the gradient's low bits, and XLA:CPU
+    aborted compiling it: "Invalid binary instruction opcode copy".) No bfloat16 all-reduce in the lowered
+    step has an expert weight's shape (3 experts: no activation has a dimension of 3), and the step compiles."""
+    over = {f"parallel__{k}": v for k, v in layout.items()}
+    cfg = config("llama", model__arch="moe", moe__n_experts=3 if dispatch == "capacity" else 4, moe__top_k=2,
+                 moe__d_ff=64, moe__dispatch=dispatch, moe__dropless=dispatch == "sorted",
+                 model__compute_dtype="bfloat16", parallel__zero=1, **over)
+    t = trainer(cfg, math.prod(layout.values()))
+    e = cfg.moe.n_experts // layout.get("expert", 1)
+    text = t.lower().as_text(dialect="hlo")
+    reduced = [m.group(1) for m in re.finditer(r"= bf16\[([\d,]*)\][^ ]* all-reduce\(", text)]
+    assert reduced == [] or all(not s.startswith(f"{e},") for s in reduced), reduced
+    assert t.compile()["memory"]["temp_size"] > 0

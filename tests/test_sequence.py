@@ -228,3 +228,22 @@ def test_ring_skips_blocks_outside_the_sliding_window():
     # 6 of the 12 (device, sender) pairs are
     assert blocks_full == 4 + 12
     assert blocks_windowed == 4 + 6, blocks_windowed
+
+
+@pytest.mark.slow
+def test_ring_keeps_no_blocks_inside_a_pipeline_stage():
+    """Ring attention's blocks are rematerialised in the backward under ``model.remat=none`` in a pipeline
+    stage too, whose layers run under a checkpoint policy of their own (:func:`jaxpar.layers.remat.select_remat`,
+    which overrode the blocks' nested ``jax.checkpoint`` and kept their scores): two more layers per stage (4
+    against 8 layers on 2 stages, seq=2, 256 tokens) add less than 4 blocks' ``[T/N, T/N]`` scores per head
+    per layer to the compiled step's temporaries (they added 7 when the scores were kept)."""
+    temp = {}
+    for layers in (4, 8):
+        cfg = config("llama", model__n_layers=layers, model__seq_len=256, parallel__pipe=2, parallel__seq=2,
+                     parallel__microbatches=2, parallel__pipeline_schedule="1f1b", model__remat="none",
+                     train__batch_size=2)
+        temp[layers] = trainer(cfg, 4).compile()["memory"]["temp_size"]
+    block = cfg.model.n_heads * (256 // 2) ** 2 * 4
+    per_layer = (temp[8] - temp[4]) / 2
+    print(f"{per_layer / block:.2f} blocks per layer")
+    assert 0 < per_layer < 4 * block, (temp, block)

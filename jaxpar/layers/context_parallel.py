@@ -73,14 +73,36 @@ def ring_schedule(n: int, zigzag: bool) -> list[list[tuple[str, str]]]:
     return sched
 
 
-@functools.partial(jax.checkpoint, static_argnums=(6,))
 def _update(carry, q, k, v, q_pos, k_pos, scale, window=None, q_seg=None, k_seg=None):
     """Online-softmax update of (o, m, l) with one K/V block; q [B,Tq,KV,G,D], k/v [B,Tk,KV,D]; keys
     outside the sliding ``window`` (when > 0) or of another document (segment ids ``[B, Tq]``,
     ``[B, Tk]``, when given) are masked like the causal future.
 
     Rematerialised: the backward recomputes the block's scores instead of keeping them for every
-    ring step, so memory holds one ``[Tq, Tk]`` block at a time (as flash / ring attention do)."""
+    ring step, so memory holds one ``[Tq, Tk]`` block at a time (as flash / ring attention do). A
+    custom derivative, not ``jax.checkpoint``: a policy of an enclosing checkpoint (a pipeline stage's
+    under ``model.remat=none``, :func:`jaxpar.layers.remat.select_remat`) overrides a nested one's, and
+    kept the scores of every block of every layer."""
+    static = window is None or isinstance(window, int)
+
+    def update(carry, q, k, v, q_pos, k_pos, w, q_seg, k_seg):
+        return _block(carry, q, k, v, q_pos, k_pos, scale, window if static else w, q_seg, k_seg)
+
+    def fwd(*args):
+        return update(*args), args
+
+    def bwd(args, g):
+        carry, q, k, v, *rest = args
+        _, pullback = jax.vjp(lambda c, q, k, v: update(c, q, k, v, *rest), carry, q, k, v)
+        return (*pullback(g), *(None,) * len(rest))
+
+    f = jax.custom_vjp(update)
+    f.defvjp(fwd, bwd)
+    return f(carry, q, k, v, q_pos, k_pos, None if static else window, q_seg, k_seg)
+
+
+def _block(carry, q, k, v, q_pos, k_pos, scale, window, q_seg, k_seg):
+    """:func:`_update`'s arithmetic."""
     o, m, l = carry
     s = f32_einsum("btkgd,bskd->bkgts", q, k) * scale
     mask = in_window(q_pos[:, None], k_pos[None, :], window)

@@ -298,6 +298,12 @@ class MoE(nnx.Module):
     def _local(self, x, w_router, w_in, w_out, bias, logit_bias, b_in, b_out, *, ax: _Axes):
         if ax.sp:  # Megatron-SP: the sequence gathered over tensor here (its transpose: a reduce-scatter)
             x = jax.lax.all_gather(x, ax.sp, axis=1, tiled=True)
+        if ax.tokens or ax.tensor:
+            # the experts' weights made varying over the token and tensor axes before they are cast to the compute
+            # dtype: the cast's transpose, which sums their gradient over those axes, then sums in the weights'
+            # dtype (a bfloat16 sum would lose the gradient's low bits, and XLA:CPU fails to compile it)
+            w_in, w_out, b_in, b_out = (None if w is None else varying(w, ax.tokens + ax.tensor)
+                                        for w in (w_in, w_out, b_in, b_out))
         b, t, d = x.shape
         g, e, k = b * t, self.n_experts, self.top_k
         cap = expert_capacity(g, e, k, self.capacity_factor, self.dropless)

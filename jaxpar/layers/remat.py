@@ -68,11 +68,16 @@ def remat(fn, name: str):
 
 
 # What ``none`` recomputes in a layer that selects its weights from a group inside a loop, as pipeline
-# stages do: the outputs of the selection and of the weight's sharding annotation. Kept, they are a
-# copy of the layer's weights per loop iteration (a pipeline runs M R + S - 1 of them). Casts are kept:
-# recomputing an activation's cast would keep its wider input instead (so under a bfloat16 compute
-# dtype the stage keeps its layers' bfloat16 weights per iteration, as without remat).
-_SELECTION = frozenset({"dynamic_slice", "gather", "squeeze", "sharding_constraint"})
+# stages do: the outputs of the selection, of the weight's sharding annotation, of the cast to
+# device-varying that a ``shard_map`` with ``check_vma`` applies to its replicated inputs (a MoE layer's
+# weights: the cast's output, not the input, is what its backward reads), of casts to the compute dtype and
+# of reshapes (the sorted dispatch's [E, d, (2) f] view of its cast experts). Kept, they are a copy of the
+# layer's weights per loop iteration (a pipeline runs M R + S - 1 of them; under bfloat16 a GPipe stage
+# kept its weights in bfloat16 and float32 per iteration: 3.6x the temporaries of float32 compute).
+# Recomputing every cast and reshape, activations' too, measured no larger on activation-bound stages (an
+# activation's bfloat16 cast is fused into the matmul that reads it; a reshape is free).
+_SELECTION = frozenset({"dynamic_slice", "gather", "squeeze", "sharding_constraint", "pvary", "pcast",
+                        "convert_element_type", "reshape"})
 
 
 def keep_all_but_selection(prim, *_, **__) -> bool:
