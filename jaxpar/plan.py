@@ -252,19 +252,26 @@ class Planner:
         est = Estimate(overrides)
         mem = est.memory
 
-        def per_device(layout: str, nbytes: float, stage_only: bool = False) -> float:
-            """Bytes per device of the leaves (``stage_only``: the layer stack's) in ``layout``, at ``nbytes``
-            per element."""
+        def per_device(layout: str, nbytes: float, stage_only: bool = False, experts: bool = False) -> float:
+            """Bytes per device of the leaves (``stage_only``: the layer stack's; ``experts``: a MoE layer's
+            routed experts only) in ``layout``, at ``nbytes`` per element."""
             return sum(math.prod(x.shape) * nbytes / comm._shards(getattr(x, layout), sizes)
-                       for x in leaves if x.stage or not stage_only)
+                       for x in leaves if (x.stage or not stage_only) and ("experts" in x.names or not experts))
 
         mem["params"] = per_device("params", pb)
         mem["opt"] = per_device("opt", 2 * 4)
         # ZeRO-3 reduce-scatters each layer's gradient as the backward produces it; XLA:CPU all-reduces each
-        # layer's inside the backward's loop and slices it there, under ZeRO-1 too; a pipeline sums its stage's
-        # gradients over the microbatches in its loop, whole, and reduces them after it
+        # layer's inside the backward's loop and slices it there, under ZeRO-1 too
         scattered = (par.zero >= 3 or self.platform == "cpu") and sizes["pipe"] == 1
         mem["grads"] = per_device("opt" if scattered else "compute", pb)
+        mb_grad = 0.0
+        if sizes["pipe"] > 1:
+            # a pipeline sums its stage's gradient over the microbatches in its loop, and a microbatch's gradient
+            # of the stage is a buffer of its own (the transpose of the stage's loop over its layers writes it)
+            # until the sum takes it in: both split as the optimizer's shard under ZeRO (the partitioner splits
+            # the loop's carry as the update reads it), whole without; the embedding's and the head's whole
+            mb_grad = per_device("opt" if par.zero >= 1 else "compute", pb, stage_only=True)
+            mem["grads"] = per_device("compute", pb) - per_device("compute", pb, stage_only=True) + 2 * mb_grad
         if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
             mem["grads"] += per_device("opt", pb)
             if par.zero >= 3:  # and a microstep's gradient of the embedding and the head, whole before its
@@ -276,15 +283,25 @@ class Planner:
             # stage selects its layers again in the backward, jaxpar.layers.remat.select_remat)
             mem["activations"] += per_device("compute", ab, stage_only=True)
         # one layer's weights in the compute layout while its backward runs: its gradient before the reduction
-        # (and the slice or reduce-scatter to the optimizer's shard; a pipeline's are counted whole above),
-        # under ZeRO-3 its gathered weights, and in the sorted dispatch's exchange rounds the experts' gradient
-        # summed over rounds (a loop's carry in and out)
+        # (and the slice or reduce-scatter to the optimizer's shard), in a pipeline stage its weights selected
+        # again too, under ZeRO-3 its gathered weights, and in the sorted dispatch's exchange rounds the
+        # experts' gradient summed over rounds (a loop's carry in and out). A stage's are live after the
+        # layer's activations are done with (its weight gradients come last): the larger of the two counts
         slots = next(x.shape[0] for x in leaves if x.stage) // sizes["pipe"]
         exchanged = m.arch == "moe" and cfg.moe.dispatch_path() == "sorted" and sizes["expert"] > 1
-        mem["activations"] += per_device("compute", pb, stage_only=True) / slots * (
-            (sizes["pipe"] == 1) + (par.zero >= 3) + 2 * exchanged)
+        layer = per_device("compute", pb, stage_only=True) / slots * (
+            1 + (sizes["pipe"] > 1) + (par.zero >= 3) + 2 * exchanged)
+        if self.platform == "cpu" and ab < 4 and m.arch == "moe" and cfg.moe.dispatch_path() == "sorted":
+            # XLA:CPU converts a layer's bfloat16 experts to float32 for the sorted dispatch's tile matmuls
+            # outside the loop over tiles: all of them at once
+            layer += per_device("compute", 4, stage_only=True, experts=True) / slots
+        mem["activations"] += max(0.0, layer - per_token["working"]) if sizes["pipe"] > 1 else layer
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
         mem["update"] = 0.5 * per_device("opt", 4)
+        if sizes["pipe"] > 1:  # after a pipeline's loop, the update (and under ZeRO the stage's new weights
+            # gathered whole) reuses what the loop held beyond the sum: the larger of the two counts
+            after = mem["update"] + (per_device("compute", pb, stage_only=True) if par.zero >= 1 else 0.0)
+            mem["update"] = max(0.0, after - (mb_grad + mem["activations"] + mem["logits"] - apart))
         mem["total"] = sum(mem.values()) - apart
         terms = comm.traffic(cfg, sizes, leaves, platform=self.platform, act_bytes=ab, param_bytes=pb)
         for term in terms:  # wire bytes by mesh-axis group, whatever the collective
@@ -374,7 +391,10 @@ class Planner:
         # matmul outputs it saves that the backward reads (out_proj and mlp_down feed a residual add, whose
         # backward does not read them; the exchange rounds' inputs kept by mlp_down are one working-width copy)
         named = {"qkv_proj": (h + 2 * kv) * hd / t, "attention": h * hd / t, "mlp_up": up / t, "mlp_down": down / t}
-        stored = (res * sb + (kept - res) * wb if m.remat == "none" else res * sb + sum(
+        # (XLA:CPU, a pipeline stage without remat: its layers' kept tensors in bfloat16 and converted to float32
+        # for the backward at once, the stage's stack of them, not a layer's at a time)
+        kw = wb + ab if cpu and ab < 4 and sizes["pipe"] > 1 else wb
+        stored = (res * sb + (kept - res) * kw if m.remat == "none" else res * sb + sum(
             named.get(x, 0.0) * (wb if x == "mlp_down" else sb) for x in KEPT.get(m.remat, ())))
         s_ = sizes["pipe"]
         layers = comm.stage_layers(cfg, sizes) * par.pipeline_repeats  # a stage's layer slots
@@ -408,7 +428,8 @@ class Planner:
         apart = 0.0 if f1b else min(logits, micro * working * wb)
         from jaxpar.layers.remat import MATMULS
 
-        per_token = {"kept": kept * ab, "saved": sum(named.get(x, 0.0) for x in MATMULS) * ab, "kernel": kernel}
+        per_token = {"kept": kept * ab, "saved": sum(named.get(x, 0.0) for x in MATMULS) * ab, "kernel": kernel,
+                     "working": micro * working * wb}
         return act, logits, apart, per_token
 
     def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
