@@ -324,10 +324,9 @@ class MoE(nnx.Module):
             w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
             b_in = None if b_in is None else b_in.astype(self.dtype)
             if ax.expert:
-                # every operand varying over the same axes, so the rounds' custom VJP returns gradients of
-                # the primal's type (the replicas' weight gradients are then summed by the pcast's transpose)
-                w_in, w_out, tokens = (varying(v, ax.tokens + ax.tensor) for v in (w_in, w_out, tokens))
-                b_in = None if b_in is None else varying(b_in, ax.tokens + ax.tensor)
+                # every operand varying over the same axes (the weights are, from the top of this method), so
+                # the rounds' custom VJP returns gradients of the primal's type
+                tokens = varying(tokens, ax.tokens + ax.tensor)
                 y = exchanged_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind,
                                       axes=ax.expert, ep=ax.ep, chunk=self.capacity_factor, impl=impl, b_in=b_in)
             else:
