@@ -143,6 +143,12 @@ def meshes(n: int, moe: bool = False):
 
 
 REMATS = ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full", "offload")
+# The [tokens, d_ff] tensors a layer's MLP (or an expert, per routed row) keeps for its backward without remat,
+# by model.mlp: the up projection's output (gate and up), every intermediate of the nonlinearity and its output
+# (the down projection's input), as JAX saves them (``saved_residuals`` of a block:
+# tests/test_plan.py::test_none_keeps_every_intermediate_of_the_nonlinearity); the remat policies keep only
+# named matmul outputs
+NONE_KEPT_FF = {"gelu": 6, "swiglu": 6, "geglu": 8, "clamped_swiglu": 9}
 
 
 def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase: str = "all"):
@@ -345,6 +351,8 @@ class Planner:
         ff = (3 if m.gated else 2) * m.d_ff
         up: float = (2 if m.gated else 1) * m.d_ff  # the up (gate-up) projection's output
         kept_ff = ff
+        # without remat a layer keeps every intermediate of its nonlinearity (:data:`NONE_KEPT_FF`)
+        none_ff = NONE_KEPT_FF[str(m.mlp)] * m.d_ff
         down = 0.0  # what keeping mlp_down keeps beyond mlp_up (dense: nothing the backward reads)
         if m.arch == "moe":  # the expert hidden and the dispatched rows in and out, per routed slot (capacity-padded)
             path, ep = e.dispatch_path(), sizes["expert"]
@@ -355,10 +363,12 @@ class Planner:
             ff = slots * ((3 if m.gated else 2) * (e.d_ff or m.d_ff) + 2 * d * t)
             up = slots * (2 if m.gated else 1) * (e.d_ff or m.d_ff)
             kept_ff = ff
+            none_ff = slots * (NONE_KEPT_FF[str(m.mlp)] * (e.d_ff or m.d_ff) + 2 * d * t)
             if path == "sorted" and ep > 1:  # the exchange rounds' backward runs them again (sum_rounds): kept
                 # are only the sorted rows (and, without remat, the combined results), k x d each, whole over
                 # tensor; a policy that keeps mlp_down keeps the rounds' inputs, one that keeps mlp_up alone none
                 kept_ff, up, down = 2 * e.top_k * d * t, 0.0, e.top_k * d * t
+                none_ff = kept_ff
         # ring attention rematerialises each hop's [T/N, T/N] block in its backward (none kept); the local block
         # and the last hop run outside its loop of hops, so two blocks' worth are live
         ring = n > 1 and par.seq_attention == "ring"
@@ -377,7 +387,7 @@ class Planner:
         # in place in some of its layers
         square = h * t_kv / t * (4 / wb) if kernel == "xla" else 0.0
         sq_work = ((4 if t_kv >= 1024 else 3) if cpu else 2) + 0.5 * m.attn_sinks
-        sq_kept = 0.0 if ring else (2 if t_kv >= 1024 or not cpu else 3) + 0.5 * m.attn_sinks
+        sq_kept = 0.0 if ring else 2 + 0.5 * m.attn_sinks
         heads = h // n if n > 1 and par.seq_attention == "ulysses" else h
         res = d / t if par.megatron_sp else d  # the residual stream's tensors (split over tensor under Megatron-SP)
         # what a layer keeps for its backward, per token
@@ -394,7 +404,7 @@ class Planner:
         # (XLA:CPU, a pipeline stage without remat: its layers' kept tensors in bfloat16 and converted to float32
         # for the backward at once, the stage's stack of them, not a layer's at a time)
         kw = wb + ab if cpu and ab < 4 and sizes["pipe"] > 1 else wb
-        stored = (res * sb + (kept - res) * kw if m.remat == "none" else res * sb + sum(
+        stored = (res * sb + (kept + (none_ff - kept_ff) / t - res) * kw if m.remat == "none" else res * sb + sum(
             named.get(x, 0.0) * (wb if x == "mlp_down" else sb) for x in KEPT.get(m.remat, ())))
         s_ = sizes["pipe"]
         layers = comm.stage_layers(cfg, sizes) * par.pipeline_repeats  # a stage's layer slots

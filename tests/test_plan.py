@@ -68,10 +68,18 @@ def test_model_matches_the_compiled_step(arch, par):
 # pipelines whose weights dominate (4 layers of d_model 256 and an MLP of 2048, or 32 experts of width 256; 16
 # tokens): a stage's gradient summed over the microbatches and one microbatch's, the optimizer's shard under ZeRO
 WEIGHTY = {"dense": ["model.d_model=256", "model.d_ff=2048"],
-           "moe": ["model.arch=moe", "moe.n_experts=32", "moe.d_ff=256", "model.d_model=64", "model.d_ff=256"]}
+           "moe": ["model.arch=moe", "moe.n_experts=32", "moe.d_ff=256", "model.d_model=64", "model.d_ff=256"],
+           # the embedding and the head dominate (a 16k vocabulary)
+           "vocab": ["model.d_model=128", "model.d_ff=256", "model.vocab_size=16384"],
+           # a MoE model's dense first layers dominate (run per microbatch inside the 1F1B loop, their weights and
+           # gradient whole on every stage)
+           "lead": ["model.arch=moe", "moe.first_dense=2", "moe.n_experts=4", "moe.d_ff=64", "model.d_model=128",
+                    "model.d_ff=2048", "model.n_layers=6"]}
 WEIGHTY_LAYOUTS = [("dense", "full", dict(data=4, pipe=2, zero=0, microbatches=4, pipeline_schedule="1f1b")),
                    ("dense", "none", dict(data=4, pipe=2, zero=1, microbatches=4)),
-                   ("moe", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b"))]
+                   ("moe", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
+                   ("vocab", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
+                   ("lead", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b"))]
 
 
 @pytest.mark.slow
@@ -89,6 +97,7 @@ def test_model_matches_the_compiled_step_when_weights_dominate(arch, remat, par)
     mem = trainer(planner.config(ov)).compile()["memory"]
     total = mem["argument_size"] + mem["output_size"] + mem["temp_size"] - mem["alias_size"]
     predicted = planner.estimate(ov).memory
+    print(f"{arch} {remat} {par}: predicted {predicted['total'] / 2**20:.2f} MiB, compiled {total / 2**20:.2f}")
     assert 0.9 < predicted["total"] / total < 1.1, (predicted, total)
 
 
@@ -423,14 +432,40 @@ def test_shipped_configs_against_the_first_choice():
             assert "jaxpar.plan" in head, name
 
 
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu", "geglu", "clamped_swiglu"])
+def test_none_keeps_every_intermediate_of_the_nonlinearity(mlp):
+    """Without remat a layer keeps what JAX's autodiff saves for its backward: counted from the saved
+    residuals of a real block (``jax._src.ad_checkpoint.saved_residuals``), the [tokens, d_ff] tensors of
+    its MLP are the planner's ``NONE_KEPT_FF`` (the up projection's output, each intermediate of the
+    nonlinearity, its output), not the two or three matmul outputs a remat policy would name."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxpar.plan import NONE_KEPT_FF
+    from models.gpt import Block
+
+    # d_ff (96) unlike any other width of the block (d 64, heads x T 8 x 40), so the count is unambiguous
+    cfg = load_config(None, TINY + [f"model.mlp={mlp}", "model.d_ff=96", "model.seq_len=40"]).model.resolved()
+    graphdef, state = nnx.split(Block(cfg, rngs=nnx.Rngs(0)))
+    x = jnp.ones((2, cfg.seq_len, cfg.d_model), jnp.float32)
+    saved = saved_residuals(lambda x, st: jnp.sum(nnx.merge(graphdef, st)(x, None)), x, state)
+    hidden = [a for a, _ in saved if a.size == 2 * cfg.seq_len * cfg.d_ff]
+    assert len(hidden) == NONE_KEPT_FF[mlp], [(a.shape, why[:50]) for a, why in saved]
+    assert jax.tree.leaves(state)  # the block was built with its weights (a real layer, not an empty one)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,cluster,nodes", [s for s in SHIPPED if s[1] != "cpu"], ids=lambda v: str(v))
+@pytest.mark.parametrize("name,cluster,nodes", [s for s in SHIPPED if s[0] != "deepseek_moe.yaml"],
+                         ids=lambda v: str(v))
 def test_shipped_configs_memory_against_the_compiled_step(name, cluster, nodes, tmp_path):
-    """Each large shipped config's own layout, compiled ahead of time by ``python -m jaxpar.compile`` for its
+    """Each shipped config's own layout, compiled ahead of time by ``python -m jaxpar.compile`` for its
     cluster's device count (XLA:CPU, abstract arrays), uses within 10% of the memory per device that the
     planner's XLA:CPU flavour predicts for it (float32 working sets, two stored widths, the gradient's
-    shard, four [T, T] attention tensors). (The three small configs written for simulated CPU devices run
-    ``remat=none`` at 128 tokens, where XLA:CPU keeps 12-18% more than the model counts: tens of MiB.)"""
+    shard, four [T, T] attention tensors; without remat every intermediate of the MLP's nonlinearity).
+    (``deepseek_moe``, 128 tokens on 8 devices, compiles to 23% more than predicted: the sorted dispatch's
+    exchange rounds hold more [rows, d] buffers than the model counts, tens of MiB; see docs/concepts/choosing.md.)"""
     import json
     import os
     import subprocess
