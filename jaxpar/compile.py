@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         n = a.devices or (math.prod(sizes) if -1 not in sizes else 0)
         if n <= 0:
             raise ConfigError("a parallel size is -1: give --devices N (the mesh size to compile for)")
-        # XLA:CPU's AllReducePromotion (bfloat16 all-reduces computed in float32) aborts on the
-        # copy-reducer all-reduces of the MoE layer; an AOT compile runs nothing, so it is not needed
+        # XLA:CPU's AllReducePromotion computes bfloat16 all-reduces in float32, a CPU runtime's need that
+        # GPU/TPU programs do not have; an AOT compile runs nothing, so it is left out (the collectives and
+        # memory stay those of the program's own dtypes; the planner's XLA:CPU flavour is fitted to it)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_disable_hlo_passes=all-reduce-promotion").strip()
         import jax

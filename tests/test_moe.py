@@ -5,6 +5,7 @@ bytes against the capacity formula, the expert-weight split, metrics and config 
 import json
 import math
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import pytest
 from flax import nnx
 
 from helpers import (assert_trees_close, batches, check_moe_against_reference, config, first_step,
-                     per_microbatch_reference, rel_err, trainer)
+                     per_microbatch_reference, rel_err, run_script, trainer)
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layers import MoE, expert_capacity
 from jaxpar.mesh import make_mesh
@@ -764,6 +765,53 @@ def test_group_limited_routing_equals_transformers_deepseek_v3(norm):
 def test_bad_group_routing(over, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, ["model.arch=moe", *over])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch,layout", [("capacity", dict(data=2, tensor=2)),
+                                             ("sorted", dict(expert=2, tensor=2, zero=1)),
+                                             ("capacity", dict(seq=2, tensor=2, pipe=2, megatron_sp=True))])
+def test_bfloat16_moe_under_tensor_parallelism_trains_on_cpu(dispatch, layout):
+    """With ``model.compute_dtype=bfloat16`` and ``tensor`` > 1, the MoE layer's sums of activations over
+    ``tensor`` (the row-parallel output's psum, the dispatched tokens' and the gates' gradient sums, Megatron-SP's
+    reduce-scatter) run in float32 on XLA:CPU: its all-reduce promotion aborted the process compiling them in
+    bfloat16 ("Invalid binary instruction opcode copy"), so a bfloat16 MoE run with tensor parallelism could not
+    start on CPU. The MoE layers add no bfloat16 all-reduce or reduce-scatter to the lowered step beyond the dense
+    model's (which XLA:CPU compiles), and a fresh process (XLA's
+    default passes, no jaxpar.compile flags) runs two train steps to a finite loss equal, to bfloat16's
+    precision, to the same model's in float32 compute."""
+    over = {f"parallel__{k}": v for k, v in layout.items()}
+    kw = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__d_ff=64, moe__dispatch=dispatch,
+              moe__dropless=dispatch == "sorted", **over)
+    n = math.prod(v for k, v in layout.items() if k in ("data", "tensor", "expert", "seq", "pipe"))
+
+    def narrow_sums(**over):  # the bfloat16 all-reduces and reduce-scatters of the lowered step
+        t = trainer(config("llama", model__compute_dtype="bfloat16", **{**kw, **over}), n)
+        text = t.lower().as_text(dialect="hlo")
+        return sorted(re.findall(r"= bf16\[[\d,]*\][^ ]* (?:all-reduce|reduce-scatter)\(", text))
+
+    # the MoE layers add none to the dense model's (the expert axis as data; its embedding's, its MLPs' sums,
+    # which XLA:CPU compiles outside a partly-manual shard_map)
+    dense = dict(model__arch="gpt", parallel__expert=1,
+                 parallel__data=layout.get("data", 1) * layout.get("expert", 1))
+    assert not Counter(narrow_sums()) - Counter(narrow_sums(**dense))
+    script = f"""
+import math
+from helpers import batches, config, trainer
+kw = {kw!r}
+losses = []
+for dt in ("bfloat16", "float32"):
+    cfg = config("llama", model__compute_dtype=dt, **kw)
+    t = trainer(cfg)
+    state = t.init_state()
+    for b in batches(cfg, 2):
+        state, m = t.step(state, t.place_batch(b))
+    losses.append(float(m["loss"]))  # the second step's: after an update computed from the first's gradients
+bf16, f32 = losses
+assert math.isfinite(bf16) and abs(bf16 - f32) < 0.02 * abs(f32), losses
+print("done", losses)
+"""
+    run_script(script, n, "done", timeout=600)
 
 
 @pytest.mark.slow

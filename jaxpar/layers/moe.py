@@ -173,6 +173,21 @@ def _entry(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+def _summed_as(dtype):
+    """The dtype the layer's sums of activations over ``tensor`` run in (a ``psum`` inside its ``shard_map``, or
+    the transpose of a cast to varying): ``dtype``, but float32 for a narrower one on XLA:CPU, whose
+    all-reduce promotion (which sums bfloat16 in float32) aborts on the reducer JAX lowers for a sum inside a
+    partly-manual ``shard_map`` ("Invalid binary instruction opcode copy"); the result is what the promotion
+    would compute, and :mod:`jaxpar.comm` counts XLA:CPU's activation collectives at 4 bytes already."""
+    return jnp.float32 if jnp.dtype(dtype).itemsize < 4 and jax.devices()[0].platform == "cpu" else dtype
+
+
+def _vary(v, axes: tuple, dtype):
+    """``v`` in ``dtype``, varying over ``axes`` (:func:`~jaxpar.layers.moe_dispatch.varying`); the cast to
+    varying, whose transpose sums the gradient over ``axes``, in :func:`_summed_as` ``(dtype)``."""
+    return varying(v.astype(_summed_as(dtype)), axes).astype(dtype)
+
+
 class MoE(nnx.Module):
     """Top-k routed experts with capacity; ``apply(x) -> (y, stats)`` (see the module docstring).
 
@@ -296,8 +311,9 @@ class MoE(nnx.Module):
 
     # -- one device's work --------------------------------------------------------------------
     def _local(self, x, w_router, w_in, w_out, bias, logit_bias, b_in, b_out, *, ax: _Axes):
-        if ax.sp:  # Megatron-SP: the sequence gathered over tensor here (its transpose: a reduce-scatter)
-            x = jax.lax.all_gather(x, ax.sp, axis=1, tiled=True)
+        if ax.sp:  # Megatron-SP: the sequence gathered over tensor here (its transpose: a reduce-scatter, whose
+            # sum runs in _summed_as)
+            x = jax.lax.all_gather(x.astype(_summed_as(x.dtype)), ax.sp, axis=1, tiled=True).astype(x.dtype)
         if ax.tokens or ax.tensor:
             # the experts' weights made varying over the token and tensor axes before they are cast to the compute
             # dtype: the cast's transpose, which sums their gradient over those axes, then sums in the weights'
@@ -318,7 +334,9 @@ class MoE(nnx.Module):
             # the dispatched tokens as every tensor rank's own copy: the backward then sums their gradient
             # over tensor on [tokens, d_model] here, not on the capacity-padded (larger) dispatch buffer
             # (under Megatron-SP the all-gather above already makes them per-rank copies)
-            tokens = jax.lax.pcast(tokens, ax.tensor, to="varying")
+            tokens = _vary(xt, ax.tensor, self.dtype)
+        # the gates varying over tensor as the tokens are (the combine multiplies them): their gradient's sum too
+        gates = _vary(r.gates, ax.tensor, self.dtype) if ax.tensor else r.gates.astype(self.dtype)
         if self.dispatch == "sorted":
             impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
             w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
@@ -326,29 +344,31 @@ class MoE(nnx.Module):
             if ax.expert:
                 # every operand varying over the same axes (the weights are, from the top of this method), so
                 # the rounds' custom VJP returns gradients of the primal's type
-                tokens = varying(tokens, ax.tokens + ax.tensor)
-                y = exchanged_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind,
+                tokens, gates = (_vary(v, ax.tokens + ax.tensor, self.dtype) for v in (tokens, gates))
+                y = exchanged_experts(tokens, r.experts, gates, w_in, w_out, self.kind,
                                       axes=ax.expert, ep=ax.ep, chunk=self.capacity_factor, impl=impl, b_in=b_in)
             else:
-                y = sorted_experts(tokens, r.experts, r.gates.astype(self.dtype), w_in, w_out, self.kind, impl,
-                                   b_in=b_in)
+                y = sorted_experts(tokens, r.experts, gates, w_in, w_out, self.kind, impl, b_in=b_in)
         else:
-            y = self._capacity_experts(tokens, r, w_in, w_out, cap, ax, b_in)
+            y = self._capacity_experts(tokens, r, gates, w_in, w_out, cap, ax, b_in)
         if b_out is not None:  # the kept assignments' down biases, gated; on each tensor rank 1/t of it (summed below)
-            gates = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
-            term = jnp.einsum("gk,gkd->gd", gates, jnp.take(b_out.astype(self.dtype), r.experts, axis=0))
+            kept = jnp.where(r.keep, gates, jnp.zeros((), gates.dtype))
+            term = jnp.einsum("gk,gkd->gd", kept, jnp.take(b_out.astype(self.dtype), r.experts, axis=0))
             if ax.tensor:
-                term = varying(term, ax.tensor) / math.prod(jax.lax.axis_size(a) for a in ax.tensor)
+                term = _vary(term, ax.tensor, self.dtype) / math.prod(jax.lax.axis_size(a) for a in ax.tensor)
             y = y + term
         y = y.reshape(b, t, d)
+        if ax.tensor:  # the row-parallel down-projection's partial sums (in _summed_as: see there)
+            y = y.astype(_summed_as(y.dtype))
         if ax.sp:  # the row-parallel partial sums, reduced and split over the sequence again
             y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
-        elif ax.tensor:  # the row-parallel down-projection's partial sums
+        elif ax.tensor:
             y = jax.lax.psum(y, ax.tensor)
         return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
 
-    def _capacity_experts(self, tokens, r: Routing, w_in, w_out, cap: int, ax: _Axes, b_in=None):
-        """``tokens [G, d]`` through their kept experts via capacity slots (and all-to-all over expert)."""
+    def _capacity_experts(self, tokens, r: Routing, gates, w_in, w_out, cap: int, ax: _Axes, b_in=None):
+        """``tokens [G, d]`` through their kept experts via capacity slots (and all-to-all over expert), combined
+        with ``gates [G, k]`` (``r.gates`` in the compute dtype, varying as ``tokens``)."""
         g, d = tokens.shape
         e, k = self.n_experts, self.top_k
         rows = jnp.broadcast_to(tokens[:, None, :], (g, k, d))
@@ -360,7 +380,7 @@ class MoE(nnx.Module):
             out = jax.lax.all_to_all(out, ax.expert, split_axis=1, concat_axis=0, tiled=True)
         # combine: each token sums its k slots weighted by its gates (dropped slots read 0)
         picked = jnp.take(out.reshape(e * cap, d), r.slot, axis=0, mode="fill", fill_value=0)
-        weights = jnp.where(r.keep, r.gates, 0.0).astype(self.dtype)
+        weights = jnp.where(r.keep, gates, jnp.zeros((), gates.dtype))
         return jnp.einsum("gkd,gk->gd", picked, weights)
 
     def _experts(self, buf, w_in, w_out, b_in=None):
