@@ -123,8 +123,11 @@ def test_f32_einsum_backward_runs_in_the_operand_dtype():
     g = jax.grad(lambda x, y: jnp.sum(jnp.sin(f32_einsum("ij,jk->ik", x, y))), (0, 1))(
         jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
     c = np.cos(x @ y)  # float64 gradient of sum(sin(x @ y))
-    np.testing.assert_allclose(np.asarray(g[0]), c @ y.T, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(g[1]), x.T @ c, rtol=1e-5)
+    # float32 accumulation: each entry within a few float32 ulps of its terms' magnitude (an entry near 0 from
+    # cancelling terms has no relative bound: -0.0249 came out 1.8e-5 off relatively, 4.4e-7 absolutely)
+    ulps = 8 * 2.0**-23
+    np.testing.assert_allclose(np.asarray(g[0]), c @ y.T, rtol=1e-5, atol=ulps * (np.abs(c) @ np.abs(y.T)).max())
+    np.testing.assert_allclose(np.asarray(g[1]), x.T @ c, rtol=1e-5, atol=ulps * (np.abs(x.T) @ np.abs(c)).max())
 
 
 def _eqns(jaxpr):
