@@ -42,7 +42,9 @@ it does not fit the device memory, and ranked by estimated step time. The model,
   microbatches with its gradient; 1F1B keeps the stage
   inputs of ``min(M, 2S - 1)`` microbatches (interleaved: ``min(M R, 2RS - 1)`` chunk inputs) and one
   microbatch's stage (chunk) activations while its backward runs, and the first stage's input
-  gradients of ``C`` microbatches (:func:`jaxpar.layers.pipeline.embed_chunk`: all M up to 2RS).
+  gradients of ``C`` microbatches (:func:`jaxpar.layers.pipeline.embed_chunk`: all M up to 2RS);
+  a MoE model's dense first layers (``moe.first_dense``, on the first stage) keep one microbatch's
+  activations under 1F1B (the larger of theirs and the stage's) and every iteration's under GPipe.
   Plus the loss chunk's float32 logits and their gradient (2 x ``chunk x vocab / t``; 3 x with a padded
   vocabulary); a pipeline's chunks are at most one microbatch. The loss runs between the layers' forward
   and backward: the total counts the larger of the logits and one layer's working set, not both (1F1B: both).
@@ -414,6 +416,15 @@ class Planner:
         micro = tokens / (par.microbatches or s_) if s_ > 1 else tokens
         # plus one layer's working set: the backward's (and, under remat, its recompute's)
         act = layers * held * stored + micro * working * wb
+        # a MoE model's dense first layers (moe.first_dense) run on the first stage of a pipeline, per microbatch:
+        # what each of them keeps, with the dense MLP (1F1B: one microbatch's, while the lead-in's backward runs,
+        # after the stage's chunk's; GPipe / circular: the scan keeps every iteration's beside the stage's)
+        lead = e.first_dense if m.arch == "moe" and s_ > 1 else 0
+        dense_kept = 5 * res + (4 * heads + 3 * kv) * hd / t + sq_kept * square
+        dense_named = dict(named, mlp_up=(2 if m.gated else 1) * m.d_ff / t, mlp_down=0.0)
+        lead_stored = (res * sb + (dense_kept + NONE_KEPT_FF[str(m.mlp)] * m.d_ff / t - res) * wb
+                       if m.remat == "none" else
+                       res * sb + sum(dense_named.get(x, 0.0) * sb for x in KEPT.get(m.remat, ())))
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
         if f1b:
             m_ = par.microbatches or s_
@@ -423,10 +434,10 @@ class Planner:
             # the stash, one chunk's activations and working set, and the first stage's input gradients kept
             # for the embedding's weight gradient (C microbatches' of them)
             act = ((min(m_ * r_, 2 * r_ * s_ - 1) + embed_chunk(s_, m_, r_)) * micro * d * ab
-                   + layers // r_ * micro * stored + micro * working * wb)
+                   + max(layers // r_ * micro * stored, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
-            act += 2 * tokens * d * ab
+            act += 2 * tokens * d * ab + lead * held * lead_stored
         # a pipeline's loss runs in chunks of at most one microbatch (1F1B: per microbatch)
         chunk = min(micro, m.loss_chunk_tokens or micro)
         vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple

@@ -116,7 +116,9 @@ class MoETransformer(GPT):
         """The dense first layers (``moe.first_dense``) on the embedded ``x``."""
         if outer["first"] is None:
             return x
-        return Stack(outer["first"], remat=self.cfg.remat, pipelined=False, rows=docs)(x, positions)
+        # in a pipeline's loop (per microbatch) the backward casts the weights again (Stack's recast)
+        return Stack(outer["first"], remat=self.cfg.remat, pipelined=False, rows=docs,
+                     recast=loss_in_pipeline())(x, positions)
 
     def apply_blocks(self, x: jax.Array, positions: jax.Array | None, **docs) -> jax.Array:
         x = self.lead_in(self.outer(), x, positions, **docs)

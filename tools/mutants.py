@@ -522,6 +522,14 @@ MUTANTS = [
       'NONE_KEPT_FF = {"gelu": 6, "swiglu": 6,', 'NONE_KEPT_FF = {"gelu": 2, "swiglu": 3,',
       ["tests/test_plan.py::test_none_keeps_every_intermediate_of_the_nonlinearity[gelu]",
        "tests/test_plan.py::test_shipped_configs_memory_against_the_compiled_step[default.yaml-cpu-1]"]),
+    M("mm-lead-in-keeps-nothing", "memory-model", "jaxpar/plan.py",
+      "max(layers // r_ * micro * stored, lead * micro * lead_stored)", "layers // r_ * micro * stored",
+      ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
+       "microbatches4-pipeline_schedule1f1b]"]),
+    M("pp-lead-in-keeps-its-cast-weights", "memory-model", "models/moe.py",
+      "recast=loss_in_pipeline())(x, positions)", "recast=False)(x, positions)",
+      ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
+       "microbatches4-pipeline_schedule1f1b]"]),
     M("mm-cpu-gradient-whole", "memory-model", "jaxpar/plan.py",
       'scattered = (par.zero >= 3 or self.platform == "cpu") and sizes["pipe"] == 1',
       'scattered = par.zero >= 3 and sizes["pipe"] == 1',

@@ -125,11 +125,16 @@ class Stack:
     Each layer is called as ``layer(h, *args)`` and returns ``h``, or ``(h, y)`` with ``outputs=True``
     (per-layer outputs, e.g. router statistics: the result is then ``(h, ys)`` with ``ys`` stacked on
     a leading layer dim in layer order; through a pipeline, each the mean over the microbatches).
+    ``recast=True`` (a stack that runs once per microbatch inside a pipeline's loop, as a MoE model's dense
+    lead-in): under ``remat=none`` its backward casts each layer's weights again, as a pipeline stage does
+    (:func:`~jaxpar.layers.remat.select_remat`), rather than keep the cast stack, a copy of its weights,
+    while the microbatch's backward runs.
     """
 
     def __init__(self, layers: nnx.Module, *, remat: str = "none", outputs: bool = False, pipelined: bool = True,
-                 per_layer: dict | None = None, rows: dict | None = None):
+                 per_layer: dict | None = None, rows: dict | None = None, recast: bool = False):
         self.layers, self.remat, self.outputs, self.pipelined = layers, remat, outputs, pipelined
+        self.recast = recast
         self.per_layer = dict(per_layer or {})
         self.rows = {k: v for k, v in (rows or {}).items() if v is not None}
 
@@ -201,7 +206,7 @@ class Stack:
                         jax.tree.map(lambda y: jnp.where(on, y, jnp.zeros_like(y)), out[1]))
 
             if select is None:
-                h, ys = jax.lax.scan(rematerialise(body, self.remat), h, group)
+                h, ys = jax.lax.scan((select_remat if self.recast else rematerialise)(body, self.remat), h, group)
             else:  # layers first .. first + count - 1 of `group`, each selected inside the remat
                 first, count = select
 
