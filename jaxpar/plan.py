@@ -301,8 +301,11 @@ class Planner:
             1 + (sizes["pipe"] > 1) + (par.zero >= 3) + 2 * exchanged)
         if self.platform == "cpu" and ab < 4 and m.arch == "moe" and cfg.moe.dispatch_path() == "sorted":
             # XLA:CPU converts a layer's bfloat16 experts to float32 for the sorted dispatch's tile matmuls
-            # outside the loop over tiles: all of them at once
+            # outside the loop over tiles: all of them at once. In a pipeline stage that convert is the experts'
+            # selection again (counted above at the parameters' width): one float32 copy, not two
             layer += per_device("compute", 4, stage_only=True, experts=True) / slots
+            if sizes["pipe"] > 1:
+                layer -= per_device("compute", pb, stage_only=True, experts=True) / slots
         mem["activations"] += max(0.0, layer - per_token["working"]) if sizes["pipe"] > 1 else layer
         # AdamW's update temporaries: half a float32 copy of the optimizer's shard (it runs in place, in a cond)
         mem["update"] = 0.5 * per_device("opt", 4)

@@ -69,6 +69,10 @@ def test_model_matches_the_compiled_step(arch, par):
 # tokens): a stage's gradient summed over the microbatches and one microbatch's, the optimizer's shard under ZeRO
 WEIGHTY = {"dense": ["model.d_model=256", "model.d_ff=2048"],
            "moe": ["model.arch=moe", "moe.n_experts=32", "moe.d_ff=256", "model.d_model=64", "model.d_ff=256"],
+           # the sorted dispatch's experts (XLA:CPU converts them to float32 at once: in a stage, that copy is
+           # their selection again)
+           "sorted": ["model.arch=moe", "moe.n_experts=32", "moe.d_ff=1024", "model.d_model=64", "model.d_ff=256",
+                      "moe.dispatch=sorted", "moe.dropless=true"],
            # the embedding and the head dominate (a 16k vocabulary)
            "vocab": ["model.d_model=128", "model.d_ff=256", "model.vocab_size=16384"],
            # a MoE model's dense first layers dominate (run per microbatch inside the 1F1B loop, their weights and
@@ -78,6 +82,7 @@ WEIGHTY = {"dense": ["model.d_model=256", "model.d_ff=2048"],
 WEIGHTY_LAYOUTS = [("dense", "full", dict(data=4, pipe=2, zero=0, microbatches=4, pipeline_schedule="1f1b")),
                    ("dense", "none", dict(data=4, pipe=2, zero=1, microbatches=4)),
                    ("moe", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
+                   ("sorted", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
                    ("vocab", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
                    ("lead", "full", dict(data=4, pipe=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
                    # without remat the lead-in casts its weights again in its backward (Stack(recast=True)): kept,

@@ -530,6 +530,11 @@ MUTANTS = [
       "recast=loss_in_pipeline())(x, positions)", "recast=False)(x, positions)",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
        "microbatches4-pipeline_schedule1f1b]"]),
+    M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
+      '            if sizes["pipe"] > 1:\n                layer -= per_device',
+      '            if False:\n                layer -= per_device',
+      ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[sorted-full-data4-pipe2-zero1-"
+       "microbatches4-pipeline_schedule1f1b]"]),
     M("mm-cpu-gradient-whole", "memory-model", "jaxpar/plan.py",
       'scattered = (par.zero >= 3 or self.platform == "cpu") and sizes["pipe"] == 1',
       'scattered = par.zero >= 3 and sizes["pipe"] == 1',
