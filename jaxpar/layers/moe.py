@@ -336,7 +336,7 @@ class MoE(nnx.Module):
             # (under Megatron-SP the all-gather above already makes them per-rank copies)
             tokens = _vary(xt, ax.tensor, self.dtype)
         # the gates varying over tensor as the tokens are (the combine multiplies them): their gradient's sum too
-        gates = _vary(r.gates, ax.tensor, self.dtype) if ax.tensor else r.gates.astype(self.dtype)
+        gates = _vary(r.gates, ax.tensor, self.dtype)
         if self.dispatch == "sorted":
             impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
             w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
@@ -358,12 +358,11 @@ class MoE(nnx.Module):
                 term = _vary(term, ax.tensor, self.dtype) / math.prod(jax.lax.axis_size(a) for a in ax.tensor)
             y = y + term
         y = y.reshape(b, t, d)
-        if ax.tensor:  # the row-parallel down-projection's partial sums (in _summed_as: see there)
+        if ax.tensor:  # the row-parallel down-projection's partial sums, reduced (in _summed_as: see there);
+            # under Megatron-SP (ax.sp: tensor axes) split over the sequence again
             y = y.astype(_summed_as(y.dtype))
-        if ax.sp:  # the row-parallel partial sums, reduced and split over the sequence again
-            y = jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True)
-        elif ax.tensor:
-            y = jax.lax.psum(y, ax.tensor)
+            y = (jax.lax.psum_scatter(y, ax.sp, scatter_dimension=1, tiled=True) if ax.sp
+                 else jax.lax.psum(y, ax.tensor))
         return y.astype(x.dtype), self._stats(logits, r, ax.tokens, ax.sp)
 
     def _capacity_experts(self, tokens, r: Routing, gates, w_in, w_out, cap: int, ax: _Axes, b_in=None):
