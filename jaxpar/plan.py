@@ -396,7 +396,8 @@ class Planner:
         heads = h // n if n > 1 and par.seq_attention == "ulysses" else h
         res = d / t if par.megatron_sp else d  # the residual stream's tensors (split over tensor under Megatron-SP)
         # what a layer keeps for its backward, per token
-        kept = 5 * res + (4 * heads + 3 * kv) * hd / t + kept_ff / t + sq_kept * square
+        kept_attn = 5 * res + (4 * heads + 3 * kv) * hd / t + sq_kept * square  # all but the MLP's
+        kept = kept_attn + kept_ff / t
         # and, in the one layer whose backward runs: the MLP hidden's gradient, and under tensor parallelism
         # the partial sums reduced over tensor ([tokens, d]: a row-parallel layer's output, a column-parallel
         # layer's input gradient) beside their reduced results, and the attention's gradients
@@ -423,9 +424,8 @@ class Planner:
         # what each of them keeps, with the dense MLP (1F1B: one microbatch's, while the lead-in's backward runs,
         # after the stage's chunk's; GPipe / circular: the scan keeps every iteration's beside the stage's)
         lead = e.first_dense if m.arch == "moe" and s_ > 1 else 0
-        dense_kept = 5 * res + (4 * heads + 3 * kv) * hd / t + sq_kept * square
         dense_named = dict(named, mlp_up=(2 if m.gated else 1) * m.d_ff / t, mlp_down=0.0)
-        lead_stored = (res * sb + (dense_kept + NONE_KEPT_FF[str(m.mlp)] * m.d_ff / t - res) * wb
+        lead_stored = (res * sb + (kept_attn + NONE_KEPT_FF[str(m.mlp)] * m.d_ff / t - res) * wb
                        if m.remat == "none" else
                        res * sb + sum(dense_named.get(x, 0.0) * sb for x in KEPT.get(m.remat, ())))
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
