@@ -63,9 +63,9 @@ class RunLock:
                 raise RunLockError(f"cannot write in {self.path.parent} ({e.strerror or type(e).__name__}): a run "
                                    "needs a writable train.out_dir with free space; fix it or choose another "
                                    "train.out_dir") from None
+            self.held = True  # before the writing: a Ctrl-C during it still has release() remove the file
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
-            self.held = True
             return
 
     def _holder(self) -> dict:

@@ -118,10 +118,10 @@ class _StartUp:
         self.created: list[Path] = []
         self.lock = RunLock(out, log)
         if main:
-            self.make(out)
             try:
+                self.make(out)
                 self.lock.acquire()
-            except BaseException:
+            except BaseException:  # a Ctrl-C included
                 self.undo()
                 raise
 
@@ -129,13 +129,12 @@ class _StartUp:
         """Create ``directory`` (and parents), remembering what was new; a ConfigError naming ``key``
         when it cannot be created."""
         missing = [d for d in [directory, *directory.parents] if not d.exists()]
+        self.created.extend(missing)  # deepest first; noted before they exist, for a Ctrl-C during mkdir
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            self.created.extend(d for d in missing if d.exists())
             raise ConfigError(f"{key}={str(directory)!r}: cannot create the directory "
                               f"({e.strerror or type(e).__name__}: {e.filename or directory})") from None
-        self.created.extend(missing)  # deepest first
 
     def undo(self) -> None:
         self.lock.release()
