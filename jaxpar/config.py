@@ -15,6 +15,7 @@ text, next to the checks across keys; splitting the sections would scatter that 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import difflib
@@ -114,6 +115,9 @@ class ParallelConfig:
         except ValueError:
             raise ConfigError(f"parallel.stage_layers={self.stage_layers!r}: expected comma-separated layer counts, "
                               "e.g. 7,8,8,7") from None
+
+
+_RESOLVED: dict = {}  # ModelConfig.resolved's results by field values
 
 
 @dataclass
@@ -239,7 +243,21 @@ class ModelConfig:
         return 1.0 if self.rope_factor <= 1 else 0.1 * math.log(self.rope_factor) + 1.0
 
     def resolved(self) -> "ModelConfig":
-        """A copy with every style-dependent choice made explicit."""
+        """A copy with every style-dependent choice made explicit (worked out once per set of field values
+        and copied: the planner asks for it tens of thousands of times per plan)."""
+        values = tuple(self.__dict__.values())
+        key = (values, tuple(map(type, values)))
+        try:
+            done = _RESOLVED.get(key)
+        except TypeError:  # a field holds an unhashable value
+            return self._resolve()
+        if done is None:
+            if len(_RESOLVED) > 4096:
+                _RESOLVED.clear()
+            done = _RESOLVED[key] = self._resolve()
+        return copy.copy(done)
+
+    def _resolve(self) -> "ModelConfig":
         llama = self.style == "llama"
         c = dataclasses.replace(self)
         c.positions = c.positions or ("rope" if llama else "learned")

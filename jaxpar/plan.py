@@ -205,6 +205,7 @@ class Planner:
         self.n = cluster.per_node * nodes
         self.efficiency, self.platform = efficiency, platform
         self._models: dict[int, tuple] = {}
+        self._layouts: dict[tuple, tuple[list, dict]] = {}
 
     def config(self, overrides: dict) -> Config:
         """The config with a layout's ``parallel.*`` and ``model.remat`` overrides."""
@@ -236,25 +237,42 @@ class Planner:
         check_model_fits(cfg.model, cfg.parallel, sizes, *cfg.moe.stacking(cfg.model.arch))
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, sizes, cfg.parallel.microbatches)
 
+    def _leaves(self, cfg: Config, sizes: dict) -> tuple[list, dict]:
+        """The parameters with their layouts at the mesh ``sizes`` (stacked layers as stored: uneven stages
+        padded), and per layout each one's (elements, shards, in the layer stack, a MoE layer's routed
+        experts); kept per layout (the rules read ``zero`` and ``megatron_sp``, the storage the stages)."""
+        from jaxpar import comm
+        from jaxpar.partitioning import make_rules, stack_slots
+
+        par = cfg.parallel
+        s_, r_ = sizes["pipe"], par.pipeline_repeats
+        key = (tuple(sizes.items()), par.zero, par.megatron_sp, r_, tuple(par.stage_layer_list()))
+        if key not in self._layouts:
+            rules = make_rules(par, SimpleNamespace(shape=sizes))  # type: ignore[arg-type]  # only .shape is read
+            shapes, names = self._model(cfg, sizes["tensor"])
+            shapes = [SimpleNamespace(shape=(stack_slots(a.shape[0], s_, r_, par.stage_layer_list()), *a.shape[1:]))
+                      if nm and nm[0] == "layers" else a for a, nm in zip(shapes, names)]
+            leaves = [comm.Leaf(tuple(a.shape), tuple(nm), rules.params.spec(nm, a.shape),
+                                rules.opt.spec(nm, a.shape), rules.compute.spec(nm, a.shape),
+                                stage=bool(nm) and nm[0] == "layers") for a, nm in zip(shapes, names)]
+            local = {layout: [(math.prod(x.shape), comm._shards(getattr(x, layout), sizes), x.stage,
+                               "experts" in x.names) for x in leaves] for layout in ("params", "opt", "compute")}
+            if len(self._layouts) > 20000:
+                self._layouts.clear()
+            self._layouts[key] = (leaves, local)
+        return self._layouts[key]
+
     def estimate(self, overrides: dict) -> Estimate:
         import jax.numpy as jnp
 
         from jaxpar import comm, flops, steptime
         from jaxpar.layers.precision import compute_dtype
-        from jaxpar.partitioning import make_rules, stack_slots
 
         cfg = self.config(overrides)
         par, m = cfg.parallel, cfg.model.resolved()
         sizes = {a: getattr(par, a) for a in AXES}
         self.check(cfg, sizes)
-        rules = make_rules(par, SimpleNamespace(shape=sizes))  # type: ignore[arg-type]  # only .shape is read
-        shapes, names = self._model(cfg, sizes["tensor"])
-        s_, r_ = sizes["pipe"], par.pipeline_repeats  # the stacked layers as stored: uneven stages padded
-        shapes = [SimpleNamespace(shape=(stack_slots(a.shape[0], s_, r_, par.stage_layer_list()), *a.shape[1:]))
-                  if nm and nm[0] == "layers" else a for a, nm in zip(shapes, names)]
-        leaves = [comm.Leaf(tuple(a.shape), tuple(nm), rules.params.spec(nm, a.shape), rules.opt.spec(nm, a.shape),
-                             rules.compute.spec(nm, a.shape), stage=bool(nm) and nm[0] == "layers")
-                  for a, nm in zip(shapes, names)]
+        leaves, local = self._leaves(cfg, sizes)
         pb = jnp.dtype(m.param_dtype).itemsize
         ab = jnp.dtype(compute_dtype(m.compute_dtype, self.platform)).itemsize
         est = Estimate(overrides)
@@ -263,8 +281,8 @@ class Planner:
         def per_device(layout: str, nbytes: float, stage_only: bool = False, experts: bool = False) -> float:
             """Bytes per device of the leaves (``stage_only``: the layer stack's; ``experts``: a MoE layer's
             routed experts only) in ``layout``, at ``nbytes`` per element."""
-            return sum(math.prod(x.shape) * nbytes / comm._shards(getattr(x, layout), sizes)
-                       for x in leaves if (x.stage or not stage_only) and ("experts" in x.names or not experts))
+            return sum(n * nbytes / shards for n, shards, stage, expert in local[layout]
+                       if (stage or not stage_only) and (expert or not experts))
 
         mem["params"] = per_device("params", pb)
         mem["opt"] = per_device("opt", 2 * 4)
