@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +22,19 @@ os.environ.setdefault("JAXPAR_CACHE", os.path.join(tempfile.gettempdir(), "jaxpa
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+# Commands the tests run (train.py, python -m jaxpar....) get the same flags (tests/helpers.py, command_env)
+os.environ["JAXPAR_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS
+
+# One compilation cache for the run, shared by the pytest-xdist workers and the commands they start: many tests
+# compile a program another test compiled (the one-device references, the runs of train.py on one small config).
+# It is new for each run (made by the first process, removed by it at the end), so nothing compiled by an
+# earlier version of the code is reused; a JAX_COMPILATION_CACHE_DIR of the user's is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-test-xla-")
+    os.environ["JAXPAR_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
@@ -71,3 +85,8 @@ def pytest_collection_modifyitems(config, items):
         return FIRST.index(name) if name in FIRST else len(FIRST) + 1 + LAST.index(name) if name in LAST else len(FIRST)
 
     items.sort(key=order)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("JAXPAR_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -208,11 +208,22 @@ def torch_logits(model, toks) -> np.ndarray:
         return model(torch.as_tensor(toks, dtype=torch.long)).logits.numpy()
 
 
+def command_env(devices: int | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a command a test runs (train.py, ``python -m jaxpar.X``, an example): this one's,
+    less the simulated device count (``devices``, else the command's own default) and the user's XLA_FLAGS,
+    with the tests' XLA flags (conftest.py) and compilation cache; ``extra`` set last."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ["JAXPAR_TEST_XLA_FLAGS"])
+    if devices is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    env.update(extra)
+    return env
+
+
 def run_script(script: str, devices: int, done: str, timeout: int = 900) -> str:
     """Run ``script`` (which may import these helpers) in a fresh process with ``devices`` simulated
     CPU devices; assert it exits 0 printing ``done``; returns its output."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env = command_env(devices)
     tests = Path(__file__).resolve().parent
     p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tests)!r})\n" + script],
                        capture_output=True, text=True, env=env, timeout=timeout)

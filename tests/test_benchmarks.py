@@ -3,12 +3,12 @@ from their command lines and configs (tokens per step, parameters, model flops) 
 files (documents, corpus bytes), beside the consistency of their fields."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import command_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +43,7 @@ def _preset_cpu_by_hand() -> list[tuple[int, int]]:
 
 def test_throughput_benchmark_on_cpu(tmp_path):
     out = tmp_path / "bench.jsonl"
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = command_env()
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks/throughput.py"), "--preset", "cpu", "--steps", "2",
                         "--warmup", "1", "--peak-tflops", "2", "--depth", "1,2", "--json", str(out)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
@@ -74,7 +73,7 @@ def test_throughput_benchmark_on_cpu(tmp_path):
 
 
 def test_data_benchmark_on_a_small_corpus(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env = command_env()
     out = tmp_path / "data.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks/data.py"), "--tokens", "3e5", "--files", "2",
                         "--bpe-sample-mb", "1", "--batches", "20", "--step-steps", "2", "--workdir",
@@ -98,8 +97,7 @@ def test_data_benchmark_on_a_small_corpus(tmp_path):
 
 
 def test_generate_benchmark_on_cpu(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = command_env()
     out = tmp_path / "gen.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks/generate.py"), "--layers", "2", "--d-model", "64",
                         "--vocab", "128", "--context", "48", "--tokens", "48", "--repeats", "3", "--json", str(out)],

@@ -1,12 +1,12 @@
 """End to end: `python train.py` as a user runs it, in a subprocess with its own device count."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import command_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256", "model.seq_len=32",
@@ -16,8 +16,7 @@ SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab
 
 
 def train(*args, check=True):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = command_env()
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=600)
     if check and p.returncode != 0:
@@ -78,7 +77,7 @@ def test_shakespeare_run_writes_everything(tmp_path):
     assert sample.startswith("ROMEO:")
     assert "--- sample" in p.stdout and "tokenizer bpe with 300 ids" in p.stdout
     assert list((tmp_path / "cache").glob("bpe-v300-*.tokenizer.json"))
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env = command_env()
     g = subprocess.run([sys.executable, "-m", "jaxpar.generate", str(out), "--prompt", "ROMEO:\n", "--prompt",
                         "JULIET:\nO", "--tokens", "12", "parallel.data=1", "parallel.tensor=1"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import config, token_store
+from helpers import command_env, config, token_store
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -33,9 +33,7 @@ ARGS = ["data.source=tokens", f"data.path={token_store()}", "model.n_layers=2", 
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return command_env()
 
 
 def start(out: Path, *extra, log: Path | None = None) -> subprocess.Popen:

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import command_env
 from test_chat import QWEN, SPECIAL
 
 transformers = pytest.importorskip("transformers")
@@ -115,7 +116,7 @@ def test_bad_chat_data_is_one_error_line_from_train_py(model_dir, tmp_path):
     bad = {"messages": [{"role": "user", "content": "one two"}, {"role": "bot", "content": "three four"}]}
     data.write_text("".join(json.dumps(c) + "\n" for c in good + [bad]))
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    env = command_env(JAX_NUM_CPU_DEVICES=__import__("os").environ["JAX_NUM_CPU_DEVICES"])
     p = subprocess.run([sys.executable, str(root / "train.py"), f"model.init_from=hf:{model_dir}", "data.source=chat",
                         f"data.path={data}", "data.packing=documents", "model.seq_len=128", "train.steps=1",
                         f"train.out_dir={tmp_path / 'run'}", "data.prefetch=0"],

@@ -22,6 +22,7 @@ import yaml
 
 from jaxpar import hf, hf_files
 from jaxpar.config import ConfigError, load_config
+from helpers import command_env
 from helpers import trainer as Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,8 +220,7 @@ def test_train_py_refuses_a_missing_shard_in_one_line(tmp_path, tiny):
     shard = sorted(n for n in os.listdir(src) if n.startswith("model-"))[-1]
     os.remove(src / shard)
     before = tree(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = command_env()
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), f"model.init_from=hf:{src}", "data.tokenizer=byte",
                         "data.source=synthetic", f"model.seq_len={T}", "train.batch_size=8", "train.steps=1",
                         "parallel.data=1", "parallel.tensor=1", "parallel.zero=0", "sample.tokens=0",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 import sys
 import tomllib
@@ -20,14 +19,15 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.config import ConfigError
+from helpers import command_env
 from jaxpar.layers import MLP, ColumnParallelLinear, RMSNorm, RowParallelLinear, Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "PYTHONPATH")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = command_env()
+    env.pop("PYTHONPATH", None)
     return env
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import (assert_trees_close, batches, check_moe_against_reference, config, first_step,
-                     per_microbatch_reference, rel_err, run_script, trainer)
+from helpers import (assert_trees_close, batches, check_moe_against_reference, command_env, config,
+                     first_step, per_microbatch_reference, rel_err, run_script, trainer)
 from jaxpar.config import ConfigError, load_config
 from jaxpar.layers import MoE, expert_capacity
 from jaxpar.mesh import make_mesh
@@ -508,14 +508,12 @@ def test_deepseek_style_config_trains_through_train_py(tmp_path):
     dispatch over expert, auxiliary-loss-free bias balancing) through
     `python train.py` on 8 simulated devices (data=2 x expert=2 x tensor=2): every token makes top_k
     assignments per MoE layer, the loss falls, and the shared expert's hidden units are split over tensor."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = command_env()
     over = ["data.source=synthetic", "model.seq_len=32", "train.batch_size=16", "train.steps=6", "train.log_every=1",
             "train.warmup_steps=1", "sample.tokens=0", "checkpoint.enabled=false", f"train.out_dir={tmp_path}",
             "debug.dump_hlo=true"]

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from helpers import run_script, trainer
+from helpers import command_env, run_script, trainer
 from jaxpar import comm
 from jaxpar.config import ConfigError, load_config
 from jaxpar.plan import CLUSTERS, GIB, Planner, main, meshes, options
@@ -475,7 +475,6 @@ def test_shipped_configs_memory_against_the_compiled_step(name, cluster, nodes, 
     (``deepseek_moe``, 128 tokens on 8 devices, compiles to 23% more than predicted: the sorted dispatch's
     exchange rounds hold more [rows, d] buffers than the model counts, tens of MiB; see docs/concepts/choosing.md.)"""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -488,7 +487,7 @@ def test_shipped_configs_memory_against_the_compiled_step(name, cluster, nodes, 
     ov = layout_of(cfg, n)
     base = dataclasses.replace(cfg, parallel=type(cfg.parallel)(stage_layers=cfg.parallel.stage_layers))
     predicted = Planner(base, CLUSTERS[cluster], nodes, platform="cpu").estimate(ov).memory["total"]
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env = command_env()
     out = tmp_path / "report.json"
     p = subprocess.run([sys.executable, "-m", "jaxpar.compile", "--config", str(root / "configs" / name),
                         "--devices", str(n), "--json", str(out)], capture_output=True, text=True, env=env, cwd=root,

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import token_store
+from helpers import command_env, token_store
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"data.source": "tokens", "data.path": str(token_store()), "model.vocab_size": 256, "model.n_layers": 2,
@@ -36,9 +36,7 @@ def _snapshot(d: Path) -> dict:
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return command_env()
 
 
 def _train_py(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
