@@ -42,6 +42,8 @@ MECHANISMS = {
     "documents": "packed documents: segment masks on every kernel and axis, positions per document, loss weights",
     "pipeline-uneven": "uneven pipeline stages: the default split, the padded storage order, padding slots passed "
                        "over, the layer-order checkpoint's placement",
+    "pipeline-zero-bubble": "the zero-bubble grids (jaxpar/layers/zero_bubble.py): ZB-H1's deferred Ws, ZB-V's list "
+                            "schedule and memory bound, the passes' dependencies and their timing",
     "model-switches": "the latest families' switches: MLA and its compressed cache, dense first layers, attention "
                       "sinks, the clamped SwiGLU, router and expert biases, YaRN without truncation",
 }
@@ -530,6 +532,17 @@ MUTANTS = [
       "recast=loss_in_pipeline())(x, positions)", "recast=False)(x, positions)",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
        "microbatches4-pipeline_schedule1f1b]"]),
+    M("zb-h1-no-deferred-w", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py",
+      '                if k - s >= 0:\n                    order.append(("W", k - s, s))',
+      '                if k >= 0:\n                    order.append(("W", k, s))',
+      ["tests/test_zero_bubble.py::test_slots_and_memory_are_the_papers[4]"]),
+    M("zb-v-one-more-input", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py", "p != \"F\" or live[d] < n)", "p != \"F\" or live[d] <= n)",
+      ["tests/test_zero_bubble.py::test_slots_and_memory_are_the_papers[4]"]),
+    M("zb-b-without-the-next-chunks-b", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py",
+      'return [("F", m, c)] + ([("B", m, c + 1)] if c < n_chunks - 1 else [])', 'return [("F", m, c)]',
+      ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
+    M("zb-same-slot-as-its-input", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py", "[at[x] + 1 for x in deps]", "[at[x] for x in deps]",
+      ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
     M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
       '            if sizes["pipe"] > 1:\n                layer -= per_device',
       '            if False:\n                layer -= per_device',
