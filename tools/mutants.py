@@ -60,6 +60,7 @@ LOSS = "jaxpar/layers/loss.py"
 EMBED = "jaxpar/layers/embedding.py"
 PIPE = "jaxpar/layers/pipeline.py"
 MOE = "jaxpar/layers/moe.py"
+ZB = "jaxpar/layers/zero_bubble.py"
 CP = "jaxpar/layers/context_parallel.py"
 PART = "jaxpar/partitioning.py"
 
@@ -532,16 +533,16 @@ MUTANTS = [
       "recast=loss_in_pipeline())(x, positions)", "recast=False)(x, positions)",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
        "microbatches4-pipeline_schedule1f1b]"]),
-    M("zb-h1-no-deferred-w", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py",
+    M("zb-h1-no-deferred-w", "pipeline-zero-bubble", ZB,
       '                if k - s >= 0:\n                    order.append(("W", k - s, s))',
       '                if k >= 0:\n                    order.append(("W", k, s))',
       ["tests/test_zero_bubble.py::test_slots_and_memory_are_the_papers[4]"]),
-    M("zb-v-one-more-input", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py", "p != \"F\" or live[d] < n)", "p != \"F\" or live[d] <= n)",
+    M("zb-v-one-more-input", "pipeline-zero-bubble", ZB, "p != \"F\" or live[d] < n)", "p != \"F\" or live[d] <= n)",
       ["tests/test_zero_bubble.py::test_slots_and_memory_are_the_papers[4]"]),
-    M("zb-b-without-the-next-chunks-b", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py",
+    M("zb-b-without-the-next-chunks-b", "pipeline-zero-bubble", ZB,
       'return [("F", m, c)] + ([("B", m, c + 1)] if c < n_chunks - 1 else [])', 'return [("F", m, c)]',
       ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
-    M("zb-same-slot-as-its-input", "pipeline-zero-bubble", "jaxpar/layers/zero_bubble.py", "[at[x] + 1 for x in deps]", "[at[x] for x in deps]",
+    M("zb-same-slot-as-its-input", "pipeline-zero-bubble", ZB, "[at[x] + 1 for x in deps]", "[at[x] for x in deps]",
       ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
     M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
       '            if sizes["pipe"] > 1:\n                layer -= per_device',
