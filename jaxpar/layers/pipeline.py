@@ -609,13 +609,18 @@ def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list
 def in_flight(stages: int, microbatches: int, repeats: int = 1) -> list[int]:
     """Per stage, the most chunk inputs a 1F1B stage holds at once (forwarded, not yet backwarded):
     R = 1, min(M, 2(S-1-s) + 1) microbatches; at most :func:`stash_slots`."""
-    grid = schedule_1f1b(stages, microbatches, repeats)
+    return peak_held(schedule_1f1b(stages, microbatches, repeats), until="B")
+
+
+def peak_held(grid, until: str) -> list[int]:
+    """Per stage of a grid of passes (``(op, m, r)`` cells), the most chunk inputs held at once: from the
+    F that takes one to the ``until`` pass that frees it (its iteration included)."""
     out = []
     for row in grid:
         live, peak = 0, 0
         for cell in row:
             live += sum(op == "F" for op, _, _ in cell)
             peak = max(peak, live)
-            live -= sum(op == "B" for op, _, _ in cell)
+            live -= sum(op == until for op, _, _ in cell)
         out.append(peak)
     return out

@@ -27,6 +27,8 @@ schedules: :mod:`jaxpar.layers.pipeline`).
 
 from __future__ import annotations
 
+from jaxpar.layers.pipeline import peak_held
+
 KINDS = ("zb_h1", "zb_v")
 Op = tuple[str, int, int]  # ("F" | "B" | "W", microbatch, chunk: 0 .. chunks - 1 along the microbatch's path)
 
@@ -35,11 +37,6 @@ def chunks(kind: str, stages: int) -> int:
     """The model's chunks (groups of layers in a microbatch's order): S for ``zb_h1``, 2S for ``zb_v``."""
     _check(kind, stages, stages)
     return stages if kind == "zb_h1" else 2 * stages
-
-
-def device_of(kind: str, stages: int, chunk: int) -> int:
-    """The pipeline stage (device) holding ``chunk``: itself for ``zb_h1``; the V for ``zb_v``."""
-    return chunk if kind == "zb_h1" or chunk < stages else 2 * stages - 1 - chunk
 
 
 def needs(op: Op, n_chunks: int) -> list[Op]:
@@ -149,14 +146,7 @@ def idle_fraction(grid) -> float:
 
 def in_flight(grid) -> list[int]:
     """Per stage, the most chunk inputs held at once: forwarded and not yet through W (which needs them)."""
-    out = []
-    for row in grid:
-        live = peak = 0
-        for cell in row:
-            live += sum((p == "F") - (p == "W") for p, _, _ in cell)
-            peak = max(peak, live)
-        out.append(peak)
-    return out
+    return peak_held(grid, until="W")
 
 
 def _check(kind: str, stages: int, microbatches: int) -> None:
