@@ -161,10 +161,10 @@ MUTANTS = [
 
     # -- pipeline: 1F1B ----------------------------------------------------------------------------------
     M("f1b-head-grad-not-over-m", "pipeline-1f1b", PIPE,
-      "d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)", "d_last, dy = vjp(jnp.ones((), loss.dtype))",
+      "d_last, dy = vjp(jnp.ones((), loss.dtype) / self.m_)", "d_last, dy = vjp(jnp.ones((), loss.dtype))",
       [f"{PIPE_EQ}[gpt2-pipe=2-pipeline_schedule=1f1b]"]),
     M("f1b-loss-not-over-m", "pipeline-1f1b", PIPE,
-      "jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)", "jnp.where(last_ok, loss.astype(jnp.float32), 0.0)",
+      "jnp.where(ok, loss.astype(jnp.float32) / self.m_, 0.0)", "jnp.where(ok, loss.astype(jnp.float32), 0.0)",
       [f"{PIPE_EQ}[gpt2-pipe=2-pipeline_schedule=1f1b]"]),
     M("f1b-backward-sent-forward", "pipeline-1f1b", PIPE,
       "bwd_perm = [(d, s) for s, d in fwd_perm]", "bwd_perm = fwd_perm",
@@ -649,7 +649,7 @@ MUTANTS = [
       "carry = (jnp.zeros((b, t, kv, g, dv), jnp.float32), m0, jnp.zeros((b, kv, g, t), jnp.float32))",
       ["tests/test_gpt_oss.py::test_import_matches_transformers[ring]"]),
     M("sw-lead-in-gradient-on-every-stage", "model-switches", PIPE,
-      "first = (s == 0) & (br == 0) & b_ok", "first = (br == 0) & b_ok",
+      "toks, bmm, (s == 0) & (br == 0) & b_ok,", "toks, bmm, (br == 0) & b_ok,",
       ["tests/test_uneven_stages.py::test_moe_with_dense_first_layers_and_router_losses_equals_one_device_per_microbatch"
        "[1f1b-groups0]"]),
     M("sw-lead-in-again-each-repeat", "model-switches", PIPE,

@@ -375,33 +375,19 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
         raise ValueError(f"interleaved 1F1B needs the microbatches ({m_}) to be a multiple of the stages ({s_})")
     k_ = stash_slots(s_, r_)
     c_ = embed_chunk(s_, m_, r_)  # input gradients kept for the embedding's weight gradient
-    b = _rows_in(tokens)
-    mb = b // m_
-    rules = _rules()
-    leaves, treedef = jax.tree.flatten(params)
-    outer_leaves, outer_def = jax.tree.flatten(outer)
+    o = Around(first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, microbatches=m_,
+               ys_weights=ys_weights)
+    leaves, x0, act = o.leaves, o.x0, ACT
     lg = leaves[0].shape[0] // (s_ * r_)  # layers per chunk
     has_ys = ys_weights is not None
     n_iters = m_ * r_ + r_ * s_ + s_ - 2  # the last backward: _f1b_backward_at(M - 1, 0, 0)
     warm = r_ * s_ - 1  # iterations before the first backward (the last stage's, of microbatch 0)
 
     def stage(group_leaves, x, r=0, rows=None):  # chunk r of the stage's layers, each selected inside its remat
-        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(r * lg if r_ > 1 else 0, lg), rows=rows)
+        return stage_fn(jax.tree.unflatten(o.treedef, group_leaves), x, select=(r * lg if r_ > 1 else 0, lg),
+                        rows=rows)
 
-    def ys_cotangent(ys):
-        return {k: jnp.full(y.shape, ys_weights.get(k, 0.0) / m_, y.dtype) for k, y in ys.items()}
-
-    x0 = jax.eval_shape(first_fn, outer, _first(tokens, mb))
-    first_used = _used_leaves(first_fn, outer_leaves, outer_def, _first(tokens, mb))
-    last_used = _used_leaves(last_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), _first(targets, mb))
-    lead_used = ([] if lead_fn is None else
-                 _used_leaves(lead_fn, outer_leaves, outer_def, jnp.zeros(x0.shape, x0.dtype), _first(tokens, mb)))
-    outer_used = sorted(set(first_used) | set(last_used) | set(lead_used))
-    act = ("batch", "res_length", "act_embed")
-    group = [jax.ShapeDtypeStruct((r_ * lg, *a.shape[1:]), a.dtype) for a in leaves]
-    rows_mb = _split_rows(rows, m_)
-    ys_shape = (jax.eval_shape(lambda g, x, r: stage(g, x, 0, r), group, x0, _take(rows_mb, 0))[1] if has_ys
-                else None)  # a stage's per-layer outputs
+    ys_shape = o.stage_outputs(stage, r_ * lg)
     # interleaved: the last stage's chunk r feeds stage 0's chunk r + 1 (and its gradient goes back)
     fwd_perm = [(s, (s + 1) % s_) for s in range(s_) if r_ > 1 or s + 1 < s_]
     bwd_perm = [(d, s) for s, d in fwd_perm]
@@ -409,37 +395,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     def local(p_leaves, o_leaves, toks, tgts, rws):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
         s = jax.lax.axis_index("pipe")
-        outer_ = jax.tree.unflatten(outer_def, o_leaves)
-
-        def with_leaves(used, sub):  # the outer tree with the leaves at `used` replaced by `sub`
-            full = list(o_leaves)
-            for i, a in zip(used, sub):
-                full[i] = a
-            return jax.tree.unflatten(outer_def, full)
-
-        def add(acc, used, grads):
-            return {**acc, **{i: acc[i] + g.astype(acc[i].dtype) for i, g in zip(used, grads)}}
-
+        outer_ = jax.tree.unflatten(o.outer_def, o_leaves)
         c = dict(
             fwd=jnp.zeros(x0.shape, x0.dtype), bwd=jnp.zeros(x0.shape, x0.dtype),
             stash=jnp.zeros((k_, *x0.shape), x0.dtype), dins=jnp.zeros((c_, *x0.shape), x0.dtype),
-            dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves],
-            douter={i: jnp.zeros(o_leaves[i].shape, o_leaves[i].dtype) for i in outer_used},
+            dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves], douter=o.zero_grads(o_leaves),
             loss=jnp.zeros((), jnp.float32),
             ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None),
         )
-
-        def embed_grads(douter, dins, first, ok):
-            """Stage 0: the embedding's weight gradients of microbatches ``first .. first + C - 1`` at once from
-            their input gradients ``dins``, added to ``douter`` where ``ok``."""
-            n = dins.shape[0]
-            part = jax.tree.map(lambda a: _batch_of(jax.lax.dynamic_slice_in_dim(a, first, n, 0), n * mb,
-                                                    ("batch", "length")), toks)
-            with only_where(ok):  # the scatter into the table on the first stage only
-                _, vjp = jax.vjp(lambda o: first_fn(with_leaves(first_used, o), part),
-                                 [o_leaves[i] for i in first_used])
-            grads = vjp(_batch_of(dins, n * mb, act))[0]
-            return add(douter, first_used, [jnp.where(ok, g, 0) for g in grads])
 
         def forward(t, c):
             """Forward slot t - s (:func:`_f1b_slot`: microbatch fm through chunk fr) into the stage (stage 0
@@ -448,12 +411,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             k = jnp.clip(t - s, 0, m_ * r_ - 1)
             f_ok = (t - s >= 0) & (t - s < m_ * r_)
             fm, fr = _f1b_unslot(k, s_, r_)
-            embeds = (s == 0) & (fr == 0)
-            with only_where(embeds & f_ok):  # the embedding's gather on the first stage only
-                x = jnp.where(embeds, first_fn(outer_, _take(toks, fm)).astype(x0.dtype), c["fwd"])
-            if lead_fn is not None:  # the lead-in on stage 0's chunk 0 (layers: computed everywhere, selected)
-                x = jnp.where((s == 0) & (fr == 0), lead_fn(outer_, x, _take(toks, fm)).astype(x0.dtype), x)
-            x = constrain(x, act)
+            x = o.stage_input(outer_, toks, fm, (s == 0) & (fr == 0), f_ok, c["fwd"])
             y = stage(p_leaves, x, fr, _take(rws, fm))
             y, ys = y if has_ys else (y, None)
             c["stash"] = _put(c["stash"], x, k % k_, f_ok)
@@ -475,34 +433,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             if y is None:  # no forward this iteration: not the last stage's turn
                 g = c["bwd"]
             else:
-                last_ok = last & b_ok
-                with only_where(last_ok):  # the head's matmuls on the last stage only
-                    loss, vjp = jax.vjp(lambda o, h: last_fn(with_leaves(last_used, o), h, _take(tgts, bmm)),
-                                        [o_leaves[i] for i in last_used], y)
-                d_last, dy = vjp(jnp.ones((), loss.dtype) / m_)
-                c["loss"] = c["loss"] + jnp.where(last_ok, loss.astype(jnp.float32) / m_, 0.0)
-                c["douter"] = add(c["douter"], last_used, [jnp.where(last_ok, d, 0) for d in d_last])
-                g = jnp.where(last, dy.astype(x0.dtype), c["bwd"])
+                g = o.loss_cotangent(c, o_leaves, y, tgts, bmm, last, last & b_ok, c["bwd"])
             x = jax.lax.dynamic_index_in_dim(c["stash"], _f1b_slot(bmm, br, s_, r_) % k_, 0, keepdims=False)
             # the chunk's forward again (its remat policy)
             bm_rows = _take(rws, bmm)
             out, pullback = jax.vjp(lambda p, x: stage(p, x, br, bm_rows), p_leaves, x)
-            if has_ys:
-                dgroup, dx = pullback((constrain(g, act), ys_cotangent(out[1])))
-            else:
-                dgroup, dx = pullback(constrain(g, act))
+            dgroup, dx = pullback(o.output_cotangent(out, g))
             c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
-            dx = jnp.where(b_ok, dx, 0).astype(x0.dtype)
-            if lead_fn is not None:  # stage 0's chunk 0: through the lead-in of this microbatch (run again)
-                first = (s == 0) & (br == 0) & b_ok
-                tok = _take(toks, bmm)
-                with only_where(first):
-                    e = first_fn(outer_, tok).astype(x0.dtype)
-                _, lead_vjp = jax.vjp(lambda o, e: lead_fn(with_leaves(lead_used, o), e, tok),
-                                      [o_leaves[i] for i in lead_used], e)
-                d_lead, de = lead_vjp(constrain(dx, act))
-                c["douter"] = add(c["douter"], lead_used, [jnp.where(first, d, 0) for d in d_lead])
-                dx = jnp.where(first, de.astype(x0.dtype), dx)
+            dx = o.lead_backward(c, o_leaves, toks, bmm, (s == 0) & (br == 0) & b_ok, jnp.where(b_ok, dx, 0))
             # kept for the embedding's weight gradient, taken once after the loops (in the loop, its
             # reduction over the batch axes would run once per microbatch), or every C microbatches when
             # M > C (:func:`embed_chunk`); used on stage 0 only
@@ -512,8 +450,9 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                 k0 = t - warm - (s_ - 1)
                 m0, r0 = _f1b_unslot(jnp.clip(k0, 0, m_ * r_ - 1), s_, r_)
                 full = (k0 >= 0) & (k0 < m_ * r_) & (r0 == r_ - 1) & (m0 % c_ == c_ - 1)
-                c["douter"] = jax.lax.cond(full, lambda d: embed_grads(d, c["dins"], m0 + 1 - c_, s == 0),
-                                           lambda d: d, c["douter"])
+                c["douter"] = jax.lax.cond(
+                    full, lambda d: o.embed_grads(d, o_leaves, toks, c["dins"], m0 + 1 - c_, s == 0),
+                    lambda d: d, c["douter"])
             return c, dx
 
         def phase(c, first: int, last: int, do_f: bool, do_b: bool):
@@ -544,47 +483,168 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
         # more than it uses does)
         c.update(phase({k: c[k] for k in ("fwd", "stash", "ys")}, 0, warm, True, False))
         c = phase(c, warm, n_iters, True, True)
+        douter = c["douter"] if c_ < m_ else o.embed_grads(c["douter"], o_leaves, toks, c["dins"], 0, s == 0)
+        return o.finish(c, douter)
 
-        douter = c["douter"] if c_ < m_ else embed_grads(c["douter"], c["dins"], 0, s == 0)
-        # the loss is the last stage's, the embedding's / head's gradients the first's / last's: summed
-        # over pipe once (zeros elsewhere)
+    return o.differentiate(local, primal, ys_shape)
+
+
+ACT = ("batch", "res_length", "act_embed")  # a microbatch's activations between stages
+
+
+class Around:
+    """What the schedules that compute their own gradients (1F1B, :mod:`jaxpar.layers.zero_bubble`) do
+    around their stages: the embedding (``first_fn``) and a MoE model's lead-in (``lead_fn``) on the first
+    stage, the head and the loss (``last_fn``) on the last, each weight gradient kept for the leaves of
+    ``outer`` the function reads (an untied head does not touch the embedding table), and the ``shard_map``
+    manual over ``pipe`` with the ``custom_vjp`` whose forward runs the schedule (:meth:`differentiate`).
+    Arguments as :func:`one_f_one_b`."""
+
+    def __init__(self, first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, *, microbatches: int,
+                 ys_weights):
+        self.first_fn, self.last_fn, self.lead_fn = first_fn, last_fn, lead_fn
+        self.m_, self.ys_weights = microbatches, ys_weights
+        self.tokens, self.targets, self.rows = tokens, targets, rows
+        self.leaves, self.treedef = jax.tree.flatten(params)
+        self.outer_leaves, self.outer_def = jax.tree.flatten(outer)
+        self.mb = _rows_in(tokens) // microbatches
+        self.x0 = x0 = jax.eval_shape(first_fn, outer, _first(tokens, self.mb))
+        self.rows_mb = _split_rows(rows, microbatches)
+        ol, od = self.outer_leaves, self.outer_def
+        self.first_used = _used_leaves(first_fn, ol, od, _first(tokens, self.mb))
+        self.last_used = _used_leaves(last_fn, ol, od, jnp.zeros(x0.shape, x0.dtype), _first(targets, self.mb))
+        self.lead_used = ([] if lead_fn is None else
+                          _used_leaves(lead_fn, ol, od, jnp.zeros(x0.shape, x0.dtype), _first(tokens, self.mb)))
+        self.outer_used = sorted(set(self.first_used) | set(self.last_used) | set(self.lead_used))
+
+    def stage_outputs(self, stage, group_layers: int):
+        """The shapes of a stage's per-layer outputs ``ys`` (None without ``ys_weights``)."""
+        if self.ys_weights is None:
+            return None
+        group = [jax.ShapeDtypeStruct((group_layers, *a.shape[1:]), a.dtype) for a in self.leaves]
+        return jax.eval_shape(lambda g, x, r: stage(g, x, 0, r), group, self.x0, _take(self.rows_mb, 0))[1]
+
+    def zero_grads(self, o_leaves) -> dict:
+        return {i: jnp.zeros(o_leaves[i].shape, o_leaves[i].dtype) for i in self.outer_used}
+
+    def with_leaves(self, o_leaves, used, sub):
+        """The outer tree with the leaves at ``used`` replaced by ``sub``."""
+        full = list(o_leaves)
+        for i, a in zip(used, sub):
+            full[i] = a
+        return jax.tree.unflatten(self.outer_def, full)
+
+    @staticmethod
+    def add(acc, used, grads):
+        return {**acc, **{i: acc[i] + g.astype(acc[i].dtype) for i, g in zip(used, grads)}}
+
+    def stage_input(self, outer_, toks, m, embeds, ok, x):
+        """A stage's input: on the first stage's first chunk (``embeds``) microbatch ``m`` embedded (the
+        gather where ``embeds & ok`` only) and through the lead-in, else ``x``."""
+        x0 = self.x0
+        with only_where(embeds & ok):  # the embedding's gather on the first stage only
+            x = jnp.where(embeds, self.first_fn(outer_, _take(toks, m)).astype(x0.dtype), x)
+        if self.lead_fn is not None:  # the lead-in (layers: computed everywhere, selected)
+            x = jnp.where(embeds, self.lead_fn(outer_, x, _take(toks, m)).astype(x0.dtype), x)
+        return constrain(x, ACT)
+
+    def loss_cotangent(self, c, o_leaves, y, tgts, m, last, ok, g):
+        """The last chunk's output cotangent: ``y``'s loss (microbatch ``m``), its head's weight gradient and
+        loss added to ``c`` where ``ok`` (the head's matmuls there only); elsewhere ``g``."""
+        used = self.last_used
+        with only_where(ok):  # the head's matmuls on the last stage only
+            loss, vjp = jax.vjp(lambda o, h: self.last_fn(self.with_leaves(o_leaves, used, o), h, _take(tgts, m)),
+                                [o_leaves[i] for i in used], y)
+        d_last, dy = vjp(jnp.ones((), loss.dtype) / self.m_)
+        c["loss"] = c["loss"] + jnp.where(ok, loss.astype(jnp.float32) / self.m_, 0.0)
+        c["douter"] = self.add(c["douter"], used, [jnp.where(ok, d, 0) for d in d_last])
+        return jnp.where(last, dy.astype(self.x0.dtype), g)
+
+    def output_cotangent(self, out, g):
+        """The cotangent of a stage's output ``out`` (``(y, ys)`` with per-layer outputs) given ``y``'s."""
+        if self.ys_weights is None:
+            return constrain(g, ACT)
+        return constrain(g, ACT), {k: jnp.full(y.shape, self.ys_weights.get(k, 0.0) / self.m_, y.dtype)
+                                   for k, y in out[1].items()}
+
+    def lead_backward(self, c, o_leaves, toks, m, first, dx):
+        """``dx`` of the first stage's first chunk through the lead-in of microbatch ``m`` (run again; its
+        weight gradients added to ``c`` where ``first``); ``dx`` unchanged without a lead-in."""
+        dx = dx.astype(self.x0.dtype)
+        if self.lead_fn is None:
+            return dx
+        outer_, tok, used = jax.tree.unflatten(self.outer_def, o_leaves), _take(toks, m), self.lead_used
+        with only_where(first):
+            e = self.first_fn(outer_, tok).astype(self.x0.dtype)
+        _, lead_vjp = jax.vjp(lambda o, e: self.lead_fn(self.with_leaves(o_leaves, used, o), e, tok),
+                              [o_leaves[i] for i in used], e)
+        d_lead, de = lead_vjp(constrain(dx, ACT))
+        c["douter"] = self.add(c["douter"], used, [jnp.where(first, d, 0) for d in d_lead])
+        return jnp.where(first, de.astype(self.x0.dtype), dx)
+
+    def embed_grads(self, douter, o_leaves, toks, dins, first, ok):
+        """The first stage: the embedding's weight gradients of microbatches ``first .. first + n - 1`` at
+        once from their input gradients ``dins [n, ...]``, added to ``douter`` where ``ok``."""
+        n = dins.shape[0]
+        part = jax.tree.map(lambda a: _batch_of(jax.lax.dynamic_slice_in_dim(a, first, n, 0), n * self.mb,
+                                                ("batch", "length")), toks)
+        used = self.first_used
+        with only_where(ok):  # the scatter into the table on the first stage only
+            _, vjp = jax.vjp(lambda o: self.first_fn(self.with_leaves(o_leaves, used, o), part),
+                             [o_leaves[i] for i in used])
+        grads = vjp(_batch_of(dins, n * self.mb, ACT))[0]
+        return self.add(douter, used, [jnp.where(ok, g, 0) for g in grads])
+
+    def finish(self, c, douter):
+        """The local function's results: the loss is the last stage's, the embedding's / head's gradients the
+        first's / last's: summed over ``pipe`` once (zeros elsewhere); the per-layer outputs in storage order."""
         douter = {i: jax.lax.psum(a, "pipe") for i, a in douter.items()}
-        ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(r_ * a.shape[1], *a.shape[2:]), c["ys"])
+        ys = c["ys"]
+        ys = None if ys is None else jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), ys)
         return jax.lax.psum(c["loss"], "pipe"), douter, c["dgroups"], ys
 
-    def run(p_leaves, o_leaves, tokens, targets, rows):
-        stage_spec = [P("pipe")] * len(p_leaves)
-        ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
+    def differentiate(self, local, primal, ys_shape):
+        """``(loss, ys)``: ``primal(params, outer, tokens, targets, rows)`` without differentiation; under
+        ``jax.grad`` the schedule ``local(p_leaves, o_leaves, tokens_mb, targets_mb, rows_mb) -> (loss, douter,
+        dgroups, ys)`` run in a ``shard_map`` manual over ``pipe`` (a ``custom_vjp`` whose forward computes
+        the gradients, which its backward scales)."""
+        rules, m_, ys_weights = _rules(), self.m_, self.ys_weights
+        treedef, outer_def, outer_used = self.treedef, self.outer_def, self.outer_used
 
-        def body(p_leaves, o_leaves, toks, tgts, rws):
-            with use_rules(rules.manual_pipe()):
-                return local(p_leaves, o_leaves, toks, tgts, rws)
+        def run(p_leaves, o_leaves, tokens, targets, rows):
+            stage_spec = [P("pipe")] * len(p_leaves)
+            ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
 
-        split = [_split_rows(x, m_) for x in (tokens, targets, rows)]
-        fn = jax.shard_map(body, mesh=rules.mesh, in_specs=(stage_spec, [P()] * len(o_leaves), *map(_whole, split)),
-                           out_specs=(P(), {i: P() for i in outer_used}, stage_spec, ys_spec),
-                           axis_names={"pipe"}, check_vma=False)
-        loss, douter, dparams, ys = fn(p_leaves, o_leaves, *split)
-        grads_outer = [douter[i].astype(a.dtype) if i in douter else jnp.zeros_like(a)
-                       for i, a in enumerate(o_leaves)]
-        if has_ys:
-            loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
-        dparams = [d.astype(a.dtype) for d, a in zip(dparams, p_leaves)]
-        return (loss, ys), (dparams, grads_outer)
+            def body(p_leaves, o_leaves, toks, tgts, rws):
+                with use_rules(rules.manual_pipe()):
+                    return local(p_leaves, o_leaves, toks, tgts, rws)
 
-    @jax.custom_vjp
-    def f(p_leaves, outer_leaves, tokens, targets, rows):
-        return primal(jax.tree.unflatten(treedef, p_leaves), jax.tree.unflatten(outer_def, outer_leaves),
-                      tokens, targets, rows)
+            split = [_split_rows(x, m_) for x in (tokens, targets, rows)]
+            fn = jax.shard_map(body, mesh=rules.mesh,
+                               in_specs=(stage_spec, [P()] * len(o_leaves), *map(_whole, split)),
+                               out_specs=(P(), {i: P() for i in outer_used}, stage_spec, ys_spec),
+                               axis_names={"pipe"}, check_vma=False)
+            loss, douter, dparams, ys = fn(p_leaves, o_leaves, *split)
+            grads_outer = [douter[i].astype(a.dtype) if i in douter else jnp.zeros_like(a)
+                           for i, a in enumerate(o_leaves)]
+            if ys_weights is not None:
+                loss = loss + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
+            dparams = [d.astype(a.dtype) for d, a in zip(dparams, p_leaves)]
+            return (loss, ys), (dparams, grads_outer)
 
-    def f_bwd(grads, ct):
-        g = ct[0]
-        dparams, douter = grads
-        return [g * d for d in dparams], [g * d for d in douter], None, None, None
+        @jax.custom_vjp
+        def f(p_leaves, outer_leaves, tokens, targets, rows):
+            return primal(jax.tree.unflatten(treedef, p_leaves), jax.tree.unflatten(outer_def, outer_leaves),
+                          tokens, targets, rows)
 
-    f.defvjp(run, f_bwd)  # the forward computes the loss and the gradients, kept as residuals
-    loss, ys = f(leaves, outer_leaves, tokens, targets, rows)
-    return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
+        def f_bwd(grads, ct):
+            g = ct[0]
+            dparams, douter = grads
+            return [g * d for d in dparams], [g * d for d in douter], None, None, None
+
+        f.defvjp(run, f_bwd)  # the forward computes the loss and the gradients, kept as residuals
+        loss, ys = f(self.leaves, self.outer_leaves, self.tokens, self.targets, self.rows)
+        return loss, (jax.lax.stop_gradient(ys) if ys is not None else None)
 
 
 def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list[tuple[tuple[str, int, int], ...]]]:
