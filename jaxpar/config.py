@@ -91,8 +91,11 @@ class ParallelConfig:
     pipeline_schedule: str = _f("gpipe", "Pipeline schedule: gpipe (all forwards, then the scan's backward; circular "
                                          "with pipeline_repeats > 1) or 1f1b (one forward, one backward: activations "
                                          "of at most 2*pipe - 1 microbatches per stage, not all M; interleaved with "
-                                         "pipeline_repeats > 1, M a multiple of pipe).",
-                                ("gpipe", "1f1b"))
+                                         "pipeline_repeats > 1, M a multiple of pipe) or zb_h1 (zero bubble: "
+                                         "1F1B's order with each backward split into the input's gradient and the "
+                                         "weights', which fills the cool-down; a third of 1F1B's bubble, "
+                                         "pipeline_repeats 1).",
+                                ("gpipe", "1f1b", "zb_h1"))
     stage_layers: str = _f("", "Uneven pipeline stages: comma-separated layers of each stage in layer order (with "
                                "pipeline_repeats > 1, of each of the pipe x pipeline_repeats groups; a MoE model "
                                "counts its stacked groups), e.g. 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7. Empty = even, or "
@@ -733,6 +736,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.pipeline_schedule=1f1b with parallel.pipeline_repeats={par.pipeline_repeats} "
                           f"(interleaved 1F1B) needs parallel.microbatches to be a multiple of parallel.pipe="
                           f"{par.pipe}; got {par.microbatches}")
+    if par.pipeline_schedule == "zb_h1" and par.pipeline_repeats != 1:
+        raise ConfigError(f"parallel.pipeline_schedule=zb_h1 runs one chunk of layers per stage: it needs "
+                          f"parallel.pipeline_repeats=1; got {par.pipeline_repeats} (for chunks, use 1f1b)")
+    if par.pipeline_schedule == "zb_h1" and par.pipe > 1 and par.seq > 1 and par.seq_attention == "ring":
+        raise ConfigError("parallel.pipeline_schedule=zb_h1 with parallel.seq > 1 needs parallel.seq_attention="
+                          "all_gather or ulysses: ring attention's collective-permutes, run inside a stage's pass "
+                          "while other stages run other passes, paired up across stages on XLA:CPU (wrong numbers)")
     m = cfg.model
     r = m.resolved()
     if r.n_heads % r.n_kv_heads:

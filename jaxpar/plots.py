@@ -1,6 +1,6 @@
 """Charts: the pipeline schedule as a Gantt chart (stages against iterations).
 
-    python -m jaxpar.plots --stages 4 --microbatches 8 [--repeats 2] [--schedule 1f1b] --out schedule.png
+    python -m jaxpar.plots --stages 4 --microbatches 8 [--repeats 2] [--schedule 1f1b|zb_h1|zb_v] --out schedule.png
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from pathlib import Path
 
 from jaxpar.cli import COUNT, ArgumentParser, command
 from jaxpar.layers.pipeline import bubble_fraction, in_flight, schedule, schedule_1f1b
+from jaxpar.layers.zero_bubble import KINDS as ZERO_BUBBLE
+from jaxpar.layers.zero_bubble import idle_fraction, schedule_zero_bubble
+from jaxpar.layers.zero_bubble import in_flight as zb_in_flight
 
 
 def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path, kind: str = "gpipe") -> None:
@@ -23,6 +26,9 @@ def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path
 
     if kind == "1f1b":
         _plot_1f1b(stages, microbatches, repeats, path)
+        return
+    if kind in ZERO_BUBBLE:
+        _plot_zero_bubble(kind, stages, microbatches, path)
         return
     grid = schedule(stages, microbatches, repeats)
     iters = len(grid[0])
@@ -78,6 +84,35 @@ def _plot_1f1b(stages: int, microbatches: int, repeats: int, path: str | Path) -
     plt.close(fig)
 
 
+def _plot_zero_bubble(kind: str, stages: int, microbatches: int, path: str | Path) -> None:
+    """One pass per cell, coloured by microbatch: F plain, B hatched ``//``, W hatched ``..``; zb_v's second
+    chunk of a device (the way back up) labelled ``m'``."""
+    import matplotlib.pyplot as plt
+
+    grid = schedule_zero_bubble(kind, stages, microbatches)
+    slots = len(grid[0])
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * slots + 1.5), 0.6 * stages + 1.6))
+    for s, row in enumerate(grid):
+        for t, cell in enumerate(row):
+            for op, m, r in cell:
+                ax.add_patch(plt.Rectangle((t, stages - 1 - s), 1, 1, facecolor=cmap(m % 20), edgecolor="black",
+                                           hatch={"F": None, "B": "//", "W": ".."}[op], linewidth=0.5))
+                ax.text(t + 0.5, stages - 0.5 - s, f"{op}{m}" + ("'" if r else ""), ha="center", va="center",
+                        fontsize=6)
+    ax.set_xlim(0, slots)
+    ax.set_ylim(0, stages)
+    ax.set_yticks([stages - 0.5 - s for s in range(stages)], [f"stage {s}" for s in range(stages)])
+    ax.set_xlabel("slot (one pass of one chunk: F forward, B input gradient, W weight gradient)")
+    name = {"zb_h1": "ZB-H1", "zb_v": "ZB-V (two chunks per stage, ' = the way back up)"}[kind]
+    ax.set_title(f"{name}: {stages} stages, {microbatches} microbatches, {slots} slots, idle "
+                 f"{100 * idle_fraction(grid):.1f}% (1F1B: {100 * bubble_fraction(stages, microbatches):.1f}%)\n"
+                 f"at most {max(zb_in_flight(grid))} chunk inputs held per stage (F to W)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def check_schedule_args(stages: int, microbatches: int, repeats: int, out: str | Path, kind: str = "gpipe") -> None:
     """The chart's inputs, each wrong one a ValueError naming it and the valid values."""
     import matplotlib
@@ -87,8 +122,12 @@ def check_schedule_args(stages: int, microbatches: int, repeats: int, out: str |
 
     if stages < 1 or repeats < 1 or microbatches < 1:
         raise ValueError(f"--stages={stages}, --microbatches={microbatches} and --repeats={repeats} must be >= 1")
-    if kind not in ("gpipe", "1f1b"):
-        raise ValueError(f"--schedule={kind}: choose gpipe or 1f1b")
+    if kind not in ("gpipe", "1f1b", *ZERO_BUBBLE):
+        raise ValueError(f"--schedule={kind}: choose gpipe, 1f1b, {' or '.join(ZERO_BUBBLE)}")
+    if kind in ZERO_BUBBLE and (repeats != 1 or microbatches < stages):
+        raise ValueError(f"--schedule={kind} needs --repeats 1 (zb_v's two chunks per stage are its own) and "
+                         f"--microbatches >= --stages ({stages}); got --repeats={repeats}, "
+                         f"--microbatches={microbatches}")
     if kind == "1f1b" and repeats > 1 and microbatches % stages:
         raise ValueError(f"--schedule=1f1b with --repeats={repeats} (interleaved) needs --microbatches a multiple "
                          f"of --stages ({stages}); got {microbatches}")
@@ -114,7 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", type=COUNT, required=True, help=">= 1")
     ap.add_argument("--repeats", type=COUNT, default=1, help=">= 1")
     ap.add_argument("--schedule", default="gpipe",
-                    help="gpipe (circular with --repeats > 1) or 1f1b (interleaved with --repeats > 1)")
+                    help="gpipe (circular with --repeats > 1), 1f1b (interleaved with --repeats > 1), zb_h1 or zb_v "
+                         "(zero bubble: F, B and W passes)")
     ap.add_argument("--out", default="pipeline_schedule.png")
     a = ap.parse_args(argv)
     try:

@@ -73,15 +73,14 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
     stages = trainer.sizes["pipe"]
     if stages == 1:
         return None
-    from jaxpar.layers.pipeline import bubble_fraction
+    from jaxpar.layers.pipeline import bubble_fraction, in_flight
+    from jaxpar.layers.zero_bubble import describe as zb_describe
     from jaxpar.plots import plot_schedule
 
     m, r = cfg.parallel.microbatches or stages, cfg.parallel.pipeline_repeats
     kind = cfg.parallel.pipeline_schedule
     bubble = bubble_fraction(stages, m, r)
     if kind == "1f1b":
-        from jaxpar.layers.pipeline import in_flight
-
         if r == 1:
             log(f"pipeline: 1F1B, {stages} stages, {m} microbatches: {m + 2 * (stages - 1)} iterations, at most "
                 f"{min(m, 2 * stages - 1)} microbatches' stage inputs held per stage, bubble (S-1)/(M+S-1) = "
@@ -90,6 +89,8 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
             log(f"pipeline: interleaved 1F1B ({r} chunks per stage), {stages} stages, {m} microbatches: "
                 f"{m * r + r * stages + stages - 2} iterations, at most {max(in_flight(stages, m, r))} chunk inputs "
                 f"held per stage, bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
+    elif kind == "zb_h1":  # logs its line; the bubble in slots of one pass
+        bubble = zb_describe(kind, stages, m, log)
     else:
         log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "
             f"bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")

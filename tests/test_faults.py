@@ -320,7 +320,9 @@ def test_a_failed_save_is_one_line_and_the_newest_checkpoint_stays(tmp_path, ref
     shutil.copytree(reference_run, out)
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     p = subprocess.run([sys.executable, "-c", FSIZE, str(ROOT / "train.py"), *ARGS, f"train.out_dir={out}",
-                        f"train.steps={STEPS + 3}"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
+                        f"train.steps={STEPS + 3}"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       # (the file size limit would also stop JAX writing the run's compilation cache, with a warning)
+                       env={**_env(), "JAX_ENABLE_COMPILATION_CACHE": "false"})
     assert p.returncode == 1, p.stderr[-3000:]
     assert p.stderr.startswith(f"error: saving a checkpoint in {out / 'checkpoints'} failed (File too large: "), p.stderr
     assert p.stderr.endswith(f"the newest complete checkpoint is still {out / 'checkpoints' / str(STEPS)}; "
@@ -445,6 +447,8 @@ def test_a_failed_start_in_a_new_directory_leaves_nothing(tmp_path):
     (["--stages", "2", "--microbatches", "4", "--out", "/no/such/folder/s.png"], "the folder '/no/such/folder' does"),
     (["--stages", "2", "--microbatches", "4", "--out", "{tmp}/s.xyz"], "unknown image format 'xyz'; use one of"),
     (["--stages", "two", "--microbatches", "4"], "argument --stages: 'two' is not an integer"),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "zb"], "--schedule=zb: choose gpipe, 1f1b, zb_h1 or zb_v"),
+    (["--stages", "2", "--microbatches", "4", "--schedule", "zb_v", "--repeats", "2"], "needs --repeats 1"),
 ])
 def test_plots_cli_errors_are_one_line(tmp_path, args, needle):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

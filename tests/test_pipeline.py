@@ -68,6 +68,22 @@ CASES = [
                        parallel__tensor=2, parallel__pipeline_schedule="1f1b")),
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_repeats=2, parallel__microbatches=4,
                  parallel__pipeline_schedule="1f1b")),
+    # ZB-H1 (B and W apart, the weight gradients of the deferred matmuls from their kept inputs and cotangents):
+    # pipe 2 and 4, M = S, 2S, 4S, with data, tensor (+ Megatron-SP, seq with Ulysses), ZeRO-1 + accumulation,
+    # every remat policy's kind, MoE with capacity and sorted dispatch, MoE groups whose inner stack keeps its
+    # gradients in B
+    ("gpt2", dict(parallel__pipe=2, parallel__pipeline_schedule="zb_h1")),
+    ("gpt2", dict(parallel__pipe=4, parallel__microbatches=8, parallel__data=2, parallel__pipeline_schedule="zb_h1",
+                  model__remat="full")),
+    ("gpt2", dict(parallel__pipe=4, parallel__microbatches=16, parallel__pipeline_schedule="zb_h1")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__tensor=2, parallel__data=2, parallel__microbatches=4,
+                       parallel__zero=1, train__grad_accum=2, parallel__pipeline_schedule="zb_h1",
+                       model__remat="save_dots")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__megatron_sp=True,
+                       parallel__seq_attention="ulysses", parallel__pipeline_schedule="zb_h1")),
+    ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4, parallel__pipeline_schedule="zb_h1")),
+    ("moe_every2", dict(parallel__pipe=2, parallel__data=2, parallel__microbatches=8, moe__dropless=True,
+                        moe__dispatch="sorted", parallel__pipeline_schedule="zb_h1")),
 ]
 # MoE through the pipeline: router losses weighted 0 (their batch-mean products change with the
 # microbatching); nothing drops (capacity factor E/k), so cross-entropy and gradients are exact.
@@ -155,7 +171,7 @@ def test_pipe_traffic_is_point_to_point(sched):
     assert outer <= reduces[2]["bytes"] <= 1.01 * outer, (reduces, outer)
 
 
-@pytest.mark.parametrize("sched, tensor", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1)])
+@pytest.mark.parametrize("sched, tensor", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zb_h1", 2)])
 def test_head_and_embedding_run_on_their_stage_only(sched, tensor):
     """The head's matmuls (every ``dot`` with a dimension of a device's vocabulary slice, 384 of a padded 768
     split over tensor = 2, or 768 on pipe alone: no other dimension of the model) and the embedding's gather
@@ -377,6 +393,10 @@ def test_schedule_chart(tmp_path):
     assert (tmp_path / "g.png").stat().st_size > 5000
     assert main(["--stages", "4", "--microbatches", "6", "--schedule", "1f1b", "--repeats", "2",
                  "--out", str(tmp_path / "h.png")]) == 2
+    for kind in ("zb_h1", "zb_v"):
+        assert main(["--stages", "4", "--microbatches", "8", "--schedule", kind, "--out", str(tmp_path / "z.png")]) == 0
+        assert (tmp_path / "z.png").stat().st_size > 5000
+        (tmp_path / "z.png").unlink()
 
 
 @pytest.mark.parametrize("layout, needle", [

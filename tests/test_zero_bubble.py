@@ -1,9 +1,12 @@
 """The zero-bubble grids (jaxpar.layers.zero_bubble) against the paper's slot counts and against a check of
 their dependencies written here: every pass once, after the passes it needs, one pass per stage and slot."""
 
+import numpy as np
 import pytest
 
-from jaxpar.layers.zero_bubble import KINDS, idle_fraction, in_flight, schedule_zero_bubble
+from helpers import config, trainer
+from jaxpar.layers.zero_bubble import (BWD, FWD, KINDS, SENDS, WGT, idle_fraction, in_flight, schedule_zero_bubble,
+                                       tables)
 
 
 def check_grid(kind: str, grid, stages: int, microbatches: int) -> dict:
@@ -71,3 +74,150 @@ def test_bad_arguments_name_the_value():
         schedule_zero_bubble("zb_x", 4, 8)
     with pytest.raises(ValueError, match="microbatches >= stages; got stages=4, microbatches=3"):
         schedule_zero_bubble("zb_v", 4, 3)
+
+
+@pytest.mark.parametrize("kind, stages, microbatches", [("zb_h1", 2, 2), ("zb_h1", 4, 8), ("zb_h1", 3, 5),
+                                                        ("zb_v", 4, 8), ("zb_v", 2, 4)])
+def test_executor_program_replays_the_grid(kind, stages, microbatches):
+    """The executor's tables, replayed here slot by slot with buffers of their sizes: every pass reads what its
+    grid predecessor wrote into the slot it names (a chunk input from the F before it, or the embedding; an
+    output cotangent from the next chunk's B; a B's taps for the W), nothing is overwritten before it is read,
+    and each chunk output crosses to its neighbour stage once (sent by the pattern of its slot)."""
+    tab = tables(kind, stages, microbatches)
+    n = stages if kind == "zb_h1" else 2 * stages
+    dev = [c if kind == "zb_h1" or c < stages else 2 * stages - 1 - c for c in range(n)]
+    bufs = {b: [[None] * tab["sizes"][b] for _ in range(stages)] for b in ("x", "g", "w")}
+    sent = 0
+    for t in range(tab["slots"]):
+        outs = {}
+        for d in range(stages):
+            op, m = tab["op"][t, d], tab["m"][t, d]
+            c = next((c for c in range(n) if dev[c] == d and (c >= stages) == bool(tab["loc"][t, d])), None)
+            if op == FWD:
+                if tab["first"][t, d]:
+                    assert c == 0
+                    bufs["x"][d][tab["x"][t, d]] = ("x", m, 0)
+                assert bufs["x"][d][tab["x"][t, d]] == ("x", m, c), (t, d)
+                outs[d] = ("x", m, c + 1)
+            elif op == BWD:
+                assert bufs["x"][d][tab["x"][t, d]] == ("x", m, c), (t, d)
+                assert tab["last"][t, d] == (c == n - 1)
+                if c < n - 1:
+                    assert bufs["g"][d][tab["g"][t, d]] == ("g", m, c), (t, d)
+                bufs["w"][d][tab["w"][t, d]] = ("w", m, c)
+                outs[d] = ("g", m, c - 1)
+            elif op == WGT:
+                assert bufs["w"][d][tab["w"][t, d]] == ("w", m, c), (t, d)
+        for d, value in outs.items():  # a chunk's output to its own device's next chunk: a local write
+            for b in ("x", "g"):
+                if tab[f"self_{b}"][t, d] >= 0:
+                    assert value[0] == b and dev[value[2]] == d
+                    bufs[b][d][tab[f"self_{b}"][t, d]] = value
+        for k, (p, step) in enumerate(SENDS):
+            for src, dst in tab["patterns"][k][tab["pattern"][k][t]]:
+                value = outs[src]
+                assert value[0] == ("x" if p == "F" else "g") and dst == src + step and dev[value[2]] == dst
+                bufs[value[0]][dst][tab["recv"][k][t, dst]] = value
+                sent += 1
+    assert sent == 2 * microbatches * sum(dev[c] != dev[c + 1] for c in range(n - 1))
+
+
+def test_zb_h1_crosses_pipe_once_per_activation_and_gradient():
+    """From the compiled program (llama, pipe = 4 x data = 2, M = 8): every collective-permute over pipe sits in
+    a branch of a conditional chosen per slot, one microbatch's activations each, its pairs one neighbour
+    step apart and a pattern of the executor's tables; none runs unconditionally. Replaying the tables' choice
+    per slot, each microbatch's activations cross each of the S - 1 stage boundaries once forward and its
+    gradient once backward: 2M(S-1) transfers, the minimum."""
+    from jaxpar import hlo
+
+    s_, m_ = 4, 8
+    cfg = config("llama", model__n_layers=4, parallel__pipe=s_, parallel__data=2, parallel__microbatches=m_,
+                 train__batch_size=2 * m_, parallel__pipeline_schedule="zb_h1")
+    t = trainer(cfg)
+    text = t.hlo_text()
+    comps, _ = hlo.parse_computations(text)
+    always, conds = hlo.conditional_branches(text)
+    pipe_of = {int(dv.id): int(np.argwhere(t.mesh.devices == dv)[0][list(t.mesh.axis_names).index("pipe")])
+               for dv in t.mesh.devices.flat}
+    act = (2 * m_ // m_) // 2 * cfg.model.seq_len * cfg.model.d_model * 4  # one microbatch per data shard, f32
+
+    def permutes(names):
+        return [i for c in names for i in comps[c] if i.opcode.removesuffix("-start") == "collective-permute"]
+
+    assert not permutes(always)
+    tab = tables("zb_h1", s_, m_)
+    compiled = []
+    for _, branches in conds:
+        per = [permutes(b) for b in branches]
+        if not any(per):
+            continue
+        assert not per[0] and all(len(p) == 1 for p in per[1:]), per
+        pats = []
+        for (ins,) in per[1:]:
+            assert hlo.type_bytes(ins.type) == act, ins.type
+            pairs = {(pipe_of[a], pipe_of[b]) for a, b in hlo.replica_groups(ins.text, len(pipe_of))}
+            assert len({b - a for a, b in pairs}) == 1, pairs
+            pats.append(frozenset(pairs))
+        compiled.append(pats)
+    wanted = [[frozenset(p) for p in tab["patterns"][k][1:]] for k in range(len(SENDS)) if len(tab["patterns"][k]) > 1]
+    assert sorted(map(sorted, compiled), key=str) == sorted(map(sorted, wanted), key=str)
+    transfers = sum(len(tab["patterns"][k][i]) for k in range(len(SENDS)) for i in tab["pattern"][k])
+    assert transfers == 2 * m_ * (s_ - 1)
+
+
+@pytest.mark.parametrize("style, over", [("gpt2", []), ("llama", ["model.compute_dtype=bfloat16"]),
+                                         ("llama", ["model.mlp=geglu", "model.remat=full"])])
+def test_b_and_w_add_up_to_the_backward(style, over):
+    """A stage of 3 real blocks (the stack's scan, its remat policy): B (``wgrad.vjp``: the input's cotangent
+    and every weight's but the deferred kernels') plus W (``wgrad.weight_grads`` from B's taps) equal
+    ``jax.vjp``'s gradients, computed here in float64 numpy terms of tolerance; B alone leaves the deferred
+    kernels at zero, and every kernel of a block's attention and MLP is deferred."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from helpers import TINY
+    from jaxpar.config import load_config
+    from jaxpar.layers import wgrad
+    from jaxpar.layers.stack import Stack
+    from models.gpt import Block
+
+    over_d = {**TINY[style], "model.n_layers": 3, **dict(o.split("=") for o in over)}
+    cfg = load_config(None, over_d).model.resolved()
+    layers = Stack.create(lambda r: Block(cfg, rngs=r), 3, nnx.Rngs(0))
+    stack = Stack(layers, remat=cfg.remat)
+    graphdef, state, _ = stack._state()
+    run = stack._stage_fn(graphdef, (None,), False)
+
+    def stage(p, x):
+        return run(p, x, select=(0, 3))
+
+    x = jax.random.normal(jax.random.key(1), (2, cfg.seq_len, cfg.d_model), jnp.float32)
+    g = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+    _, vjp = jax.vjp(stage, state, x)
+    want_p, want_x = vjp(g)
+    found = wgrad.sites(stage, state, x)
+    assert {p[-1] for p in found} == {"qkv", "o", "up", "down"}, found
+    out, pullback = wgrad.vjp(stage, found, 3, state, x)
+    got_p, got_x, taps = pullback(g)
+    index = wgrad.kernel_leaves(state, found)
+    got = jax.tree.leaves(got_p)
+    for path, i in index.items():
+        assert not np.any(np.asarray(got[i])), path  # B leaves the deferred kernels to W
+    for path, dk in wgrad.weight_grads(found, taps).items():
+        got[index[path]] = got[index[path]] + dk
+    tol = 2e-2 if "bfloat16" in str(over) else 1e-5
+    for a, b in zip(got, jax.tree.leaves(want_p)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= tol * max(np.linalg.norm(b), 1e-12), (a.shape,)
+    np.testing.assert_allclose(np.asarray(got_x, np.float64), np.asarray(want_x, np.float64), rtol=tol, atol=tol)
+
+
+def test_the_run_log_line_and_bubble():
+    """train.py's line for zb_h1 and the bubble_fraction it records: (S-1)/(3M+S-1), in slots of one pass."""
+    from jaxpar.layers.zero_bubble import describe
+
+    lines: list[str] = []
+    bubble = describe("zb_h1", 4, 8, lines.append)
+    assert abs(bubble - 3 / 27) < 1e-12
+    assert lines == [lines[0]] and "27 slots" in lines[0] and "at most 4 stage inputs" in lines[0], lines

@@ -42,8 +42,9 @@ MECHANISMS = {
     "documents": "packed documents: segment masks on every kernel and axis, positions per document, loss weights",
     "pipeline-uneven": "uneven pipeline stages: the default split, the padded storage order, padding slots passed "
                        "over, the layer-order checkpoint's placement",
-    "pipeline-zero-bubble": "the zero-bubble grids (jaxpar/layers/zero_bubble.py): ZB-H1's deferred Ws, ZB-V's list "
-                            "schedule and memory bound, the passes' dependencies and their timing",
+    "pipeline-zero-bubble": "the zero-bubble grids and ZB-H1's executor (jaxpar/layers/zero_bubble.py, wgrad.py): "
+                            "ZB-H1's deferred Ws, ZB-V's list schedule and memory bound, the passes' dependencies "
+                            "and their timing, the buffer slots, the deferred weight gradients",
     "model-switches": "the latest families' switches: MLA and its compressed cache, dense first layers, attention "
                       "sinks, the clamped SwiGLU, router and expert biases, YaRN without truncation",
 }
@@ -544,6 +545,17 @@ MUTANTS = [
       ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
     M("zb-same-slot-as-its-input", "pipeline-zero-bubble", ZB, "[at[x] + 1 for x in deps]", "[at[x] for x in deps]",
       ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
+    M("zb-allocate-reuses-a-slot-early", "pipeline-zero-bubble", ZB, "            if end < w:",
+      "            if end <= w + 1:",
+      ["tests/test_zero_bubble.py::test_executor_program_replays_the_grid[zb_h1-4-8]"]),
+    M("zb-w-adds-the-layers-once-too-many", "pipeline-zero-bubble", ZB,
+      "old + dk.astype(old.dtype)", "old + 2 * dk.astype(old.dtype)",
+      ["tests/test_pipeline.py::test_loss_and_grads_match_single_device[gpt2-pipe=2-pipeline_schedule=zb_h1]"]),
+    M("wgrad-b-keeps-the-kernel-gradient", "pipeline-zero-bubble", "jaxpar/layers/wgrad.py",
+      "    return vjp(dy)[0], None, (x, dy)",
+      "    return vjp(dy)[0], jnp.einsum(spec.split('->')[0].split(',')[0] + ',' + spec.split('->')[1] + '->' + "
+      "spec.split('->')[0].split(',')[1], x, dy), (x, dy)",
+      ["tests/test_zero_bubble.py::test_b_and_w_add_up_to_the_backward[gpt2-over0]"]),
     M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
       '            if sizes["pipe"] > 1:\n                layer -= per_device',
       '            if False:\n                layer -= per_device',

@@ -477,6 +477,8 @@ FIGURES = {
     "schedule-circular.png": functools.partial(schedule_figure, "gpipe", 4, 8, 2),
     "schedule-1f1b.png": functools.partial(schedule_figure, "1f1b", 4, 8, 1),
     "schedule-interleaved.png": functools.partial(schedule_figure, "1f1b", 4, 8, 2),
+    "schedule-zb_h1.png": functools.partial(schedule_figure, "zb_h1", 4, 8, 1),
+    "schedule-zb_v.png": functools.partial(schedule_figure, "zb_v", 4, 8, 1),
 }
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.layers import wgrad
 from jaxpar.partitioning import active_rules, constrain, constrain_weight, param
 
 Shape = int | Sequence[int]
@@ -63,6 +64,8 @@ class ParallelLinear(nnx.Module):
     # Megatron sequence parallelism: "gather" (column: the input arrives split along the sequence
     # over tensor) or "scatter" (row: the output leaves reduce-scattered along the sequence).
     seq_mode: str | None = None
+    # its kernel's gradient can wait for a zero-bubble pipeline's W pass (jaxpar.layers.wgrad)
+    defers_wgrad = True
 
     def _matmul(self, x, kernel, bias):
         ni, no = len(self.in_features), len(self.out_features)
@@ -87,7 +90,13 @@ class ParallelLinear(nnx.Module):
         else:
             kernel = constrain_weight(kernel, axes)
             bias = None if self.bias is None else constrain_weight(self.bias[...], self.bias_axes)
-            y = self._matmul(x, kernel, bias)
+            # a zero-bubble stage's B defers the kernel's gradient to its W (jaxpar.layers.wgrad)
+            deferred = None if transform is not None else wgrad.matmul(self, x.astype(self.dtype),
+                                                                       kernel.astype(self.dtype))
+            if deferred is None:
+                y = self._matmul(x, kernel, bias)
+            else:
+                y = deferred if bias is None else deferred + bias.astype(self.dtype)
             y = constrain(y, self.act_axes) if self.act_axes is not None else y
         return y if self.name is None else checkpoint_name(y, self.name)
 

@@ -42,8 +42,11 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.config import ConfigError
+from jaxpar.layers import wgrad
 from jaxpar.layers.pipeline import one_f_one_b, pipeline, pipeline_loss, stage_major_order
 from jaxpar.layers.remat import remat as rematerialise
+from jaxpar.layers.zero_bubble import KINDS as ZERO_BUBBLE
+from jaxpar.layers.zero_bubble import zero_bubble_loss
 from jaxpar.layers.remat import select_remat
 from jaxpar.partitioning import active_rules
 
@@ -190,14 +193,18 @@ class Stack:
         def run(group, h, select=None, rows=None):
             rows = self.rows if rows is None else rows
 
-            def body(h, layer_state):
+            def body(h, layer_state, j=None):  # j: the layer's index in its group, for a deferred B's taps
                 if not with_values:
-                    out = nnx.merge(graphdef, layer_state)(h, *args, **rows)
+                    layer = nnx.merge(graphdef, layer_state)
+                    with wgrad.layer_scope(layer, j):
+                        out = layer(h, *args, **rows)
                     return out if self.outputs else (out, None)
                 layer_state, values = layer_state
                 values = dict(values)
                 active = values.pop(_ACTIVE, None)
-                out = nnx.merge(graphdef, layer_state)(h, *args, **values, **rows)
+                layer = nnx.merge(graphdef, layer_state)
+                with wgrad.layer_scope(layer, j):
+                    out = layer(h, *args, **values, **rows)
                 out = out if self.outputs else (out, None)
                 if active is None:
                     return out
@@ -211,7 +218,7 @@ class Stack:
                 first, count = select
 
                 def body_at(h, j):
-                    return body(h, jax.tree.map(lambda a: a[first + j], group))
+                    return body(h, jax.tree.map(lambda a: a[first + j], group), j)
 
                 h, ys = jax.lax.scan(select_remat(body_at, self.remat), h, jnp.arange(count))
             return (h, ys) if self.outputs else h
@@ -263,7 +270,12 @@ class Stack:
 
         rules = active_rules()
         assert rules is not None and rules.parallel is not None  # _stages() checked them
-        if rules.parallel.pipeline_schedule != "1f1b":
+        schedule = rules.parallel.pipeline_schedule
+        if schedule in ZERO_BUBBLE:
+            loss, ys = zero_bubble_loss(schedule, stage_fn, first_fn, last_fn, state, outer, tokens, targets,
+                                        stages=s_, microbatches=m_, primal=primal, ys_weights=weights, rows=rows,
+                                        lead_fn=lead_fn)
+        elif schedule != "1f1b":
             loss, ys = primal(state, outer, tokens, targets, rows)
         else:
             loss, ys = one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_,

@@ -20,14 +20,19 @@ T_B = T_W), 1F1B runs F and then B + W as one pass: its S - 1 slots of warm-up a
   (the bound: the last device starts S - 1 slots late), idle (S-1)/(6M+S-1).
 
 Each grid is timed as soon as possible from the stages' orders (:func:`time_orders`): a pass runs in
-the slot after the passes it needs and after its stage's previous pass. These are the grids an executor
-of the two schedules would follow; ``parallel.pipeline_schedule`` does not offer them yet (its
-schedules: :mod:`jaxpar.layers.pipeline`).
+the slot after the passes it needs and after its stage's previous pass. :func:`zero_bubble_loss` runs
+ZB-H1 from its grid (``parallel.pipeline_schedule=zb_h1``; B and W apart: :mod:`jaxpar.layers.wgrad`);
+ZB-V has its grid and chart only.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxpar.layers.pipeline import peak_held
+from jaxpar.partitioning import constrain
 
 KINDS = ("zb_h1", "zb_v")
 Op = tuple[str, int, int]  # ("F" | "B" | "W", microbatch, chunk: 0 .. chunks - 1 along the microbatch's path)
@@ -139,6 +144,16 @@ def schedule_zero_bubble(kind: str, stages: int, microbatches: int) -> list[list
     return grid
 
 
+def describe(kind: str, stages: int, microbatches: int, log) -> float:
+    """``log`` the run log's line on the schedule; its idle fraction (the ``bubble_fraction`` of metrics.jsonl)."""
+    grid = schedule_zero_bubble(kind, stages, microbatches)
+    bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches)["sizes"]
+    log(f"pipeline: ZB-H1, {stages} stages, {microbatches} microbatches: {len(grid[0])} slots of one pass (F, B or "
+        f"W, taken as equal), at most {sizes['x']} stage inputs and {sizes['w']} microbatches' deferred "
+        f"weight-gradient inputs held per stage, bubble (S-1)/(3M+S-1) = {100 * bubble:.1f}%")
+    return bubble
+
+
 def idle_fraction(grid) -> float:
     """The share of the stages' slots with no pass."""
     return sum(not cell for row in grid for cell in row) / sum(len(row) for row in grid)
@@ -155,3 +170,243 @@ def _check(kind: str, stages: int, microbatches: int) -> None:
     if stages < 1 or microbatches < stages:
         raise ValueError(f"a zero-bubble schedule needs stages >= 1 and microbatches >= stages; got stages={stages}, "
                          f"microbatches={microbatches}")
+
+
+# -- the executor -------------------------------------------------------------------------------------------
+
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
+# the sends of a slot: each pass's output goes to the device of the next chunk (F) or of the previous one (B),
+# one stage up or down the ring: four collective-permutes, each with one sender and one receiver per device
+SENDS = (("F", 1), ("F", -1), ("B", 1), ("B", -1))
+
+
+def device_of(kind: str, stages: int, c: int) -> int:
+    """The device holding chunk ``c``: ``c`` for ``zb_h1``; for ``zb_v`` down the devices and back up."""
+    return c if kind == "zb_h1" or c < stages else 2 * stages - 1 - c
+
+
+def _allocate(spans: dict) -> tuple[dict, int]:
+    """Buffer slots for values live over ``spans`` (key -> (written, last read), in half slots): the fewest
+    slots, a slot reused once its value's last read is before the next one's write."""
+    free: list[int] = []
+    busy: list[tuple[int, int]] = []  # (last read, slot)
+    out, n = {}, 0
+    for key, (w, r) in sorted(spans.items(), key=lambda kv: kv[1]):
+        for end, slot in sorted(busy):
+            if end < w:
+                busy.remove((end, slot))
+                free.append(slot)
+        if free:
+            slot = min(free)
+            free.remove(slot)
+        else:
+            slot, n = n, n + 1
+        out[key] = slot
+        busy.append((r, slot))
+    return out, max(n, 1)
+
+
+def tables(kind: str, stages: int, microbatches: int) -> dict:
+    """The executor's program: per slot t and device d (``[T, S]`` int arrays) the pass (``op``: IDLE, FWD,
+    BWD, WGT), its microbatch, its chunk's index on the device (``loc``), whether it is the model's first or
+    last chunk, the buffer slots it reads and writes (``x``: the chunk input kept from its arrival to its B;
+    ``g``: the output cotangent from its arrival to the B; ``w``: B's taps kept for the W), the slot a
+    chunk's output goes to on its own device (``self_x`` / ``self_g``, -1: none), and per send of
+    :data:`SENDS` the pattern of senders (``pattern[k][t]``: an index into ``patterns[k]``, 0 none) and
+    the slot each receiver files it in (``recv[k]``, -1: none); with the buffers' sizes."""
+    s_, m_ = stages, microbatches
+    n = chunks(kind, s_)
+    timed = time_orders(orders(kind, s_, m_), n)
+    slots = max(t for row in timed for t in row.values()) + 1
+    at = {op: t for row in timed for op, t in row.items()}
+    dev = [device_of(kind, s_, c) for c in range(n)]
+    # spans in half slots: a pass of slot t computes at 2t + 1, what it sends is filed at 2t + 2
+    xs = {(m, c): ((2 * at[("F", m, c)] + 1) if c == 0 else (2 * at[("F", m, c - 1)] + 2), 2 * at[("B", m, c)] + 1)
+          for m in range(m_) for c in range(n)}
+    gs = {(m, c): (2 * at[("B", m, c + 1)] + 2, 2 * at[("B", m, c)] + 1) for m in range(m_) for c in range(n - 1)}
+    ws = {(m, c): (2 * at[("B", m, c)] + 1, 2 * at[("W", m, c)] + 1) for m in range(m_) for c in range(n)}
+    sizes = {}
+    alloc = {}
+    for name, spans in (("x", xs), ("g", gs), ("w", ws)):
+        per, size = {}, 1
+        for d in range(s_):
+            got, k = _allocate({key: v for key, v in spans.items() if dev[key[1]] == d})
+            per.update(got)
+            size = max(size, k)
+        alloc[name], sizes[name] = per, size
+    z = np.zeros((slots, s_), np.int32)
+    out: dict = {k: z.copy() for k in ("op", "m", "loc", "first", "last", "x", "g", "w")}
+    out["self_x"], out["self_g"] = z - 1, z - 1
+    out["recv"] = [z - 1 for _ in SENDS]
+    senders: list[list[set]] = [[set() for _ in range(slots)] for _ in SENDS]
+    for (p, m, c), t in at.items():
+        d = dev[c]
+        out["op"][t, d] = {"F": FWD, "B": BWD, "W": WGT}[p]
+        out["m"][t, d], out["loc"][t, d] = m, int(c >= s_ and kind == "zb_v")
+        out["first"][t, d], out["last"][t, d] = c == 0, c == n - 1
+        out["x"][t, d], out["w"][t, d] = alloc["x"][(m, c)], alloc["w"][(m, c)]
+        if p == "B" and c < n - 1:
+            out["g"][t, d] = alloc["g"][(m, c)]
+        to = {"F": c + 1, "B": c - 1, "W": -1}[p]
+        if not 0 <= to < n:
+            continue
+        buf, slot = ("x", alloc["x"][(m, to)]) if p == "F" else ("g", alloc["g"][(m, to)])
+        if dev[to] == d:
+            out[f"self_{buf}"][t, d] = slot
+            continue
+        k = SENDS.index((p, dev[to] - d))  # a neighbour: chunks c and c + 1 sit on one device or on adjacent ones
+        senders[k][t].add(d)
+        out["recv"][k][t, dev[to]] = slot
+    out["patterns"], out["pattern"] = [], []
+    for k, (_, step) in enumerate(SENDS):
+        pats: list[tuple] = [()]
+        ids = np.zeros(slots, np.int32)
+        for t in range(slots):
+            pairs = tuple(sorted((d, d + step) for d in senders[k][t]))
+            if pairs not in pats:
+                pats.append(pairs)
+            ids[t] = pats.index(pairs)
+        out["patterns"].append(pats)
+        out["pattern"].append(ids)
+    out["sizes"], out["slots"] = sizes, slots
+    return out
+
+
+def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, tokens, targets, *, stages: int,
+                     microbatches: int, primal, ys_weights=None, rows=None, lead_fn=None):
+    """Loss and gradients of a pipelined model under ``kind`` (``zb_h1``; arguments and results as
+    :func:`~jaxpar.layers.pipeline.one_f_one_b`, ``repeats`` 1).
+
+    Lock-step slots of one pass each (:func:`tables`, from the grid of :func:`schedule_zero_bubble`): in slot
+    t each device runs its pass in a ``lax.switch`` (idle, F, B or W: the same on every device of a stage,
+    so that the collectives of the layers inside, over the other axes, are reached alike), then the slot's
+    outputs move: one ``lax.switch`` on t (the same on every device) per direction of :data:`SENDS` picks a
+    ``ppermute`` with the slot's senders only, so that each chunk's output crosses ``pipe`` once (2M(S-1)
+    transfers of a microbatch's activations in a step, the minimum). F runs a chunk on its input (the
+    first chunk embeds its microbatch) and keeps the input; B runs the chunk's forward again from it (its
+    remat policy) and its backward with the weight gradients of its matmuls deferred
+    (:mod:`jaxpar.layers.wgrad`), keeping their inputs and output cotangents; the last chunk's B starts from
+    the loss of that forward (the head on the last device only), the first chunk's B ends in the lead-in
+    and keeps the input gradient for the embedding's weight gradient; W turns the kept pairs into the kernels'
+    gradients, and the first chunk's W of every C-th microbatch takes the embedding's weight gradient of the
+    last C (:func:`~jaxpar.layers.pipeline.embed_chunk`: C <= 2S, so that the kept input gradients do not grow
+    with M; one reduction over the batch axes per C microbatches). Held per device: the chunk inputs
+    of its passes between F and B (``tables(...)["sizes"]["x"]``, S on ZB-H1's first stage) and the B
+    taps of its passes between B and W (``["w"]``: every deferred matmul's input and output cotangent,
+    a microbatch's activations of ``model.remat=none`` for each).
+    """
+    from jaxpar.layers import wgrad
+    from jaxpar.layers.pipeline import ACT, Around, _put, _take, embed_chunk
+
+    if kind != "zb_h1":
+        raise ValueError(f"parallel.pipeline_schedule={kind!r}: the executor runs zb_h1 (zb_v: its grid only)")
+    s_, m_ = stages, microbatches
+    tab = tables(kind, s_, m_)
+    c_ = embed_chunk(s_, m_)  # the first chunk's input gradients kept for the embedding's weight gradient
+    at = {op: t for row in time_orders(orders(kind, s_, m_), chunks(kind, s_)) for op, t in row.items()}
+    # (taken in the first chunk's W, which must come before the next B overwrites a kept input gradient)
+    assert all(at[("W", m, 0)] < at[("B", m + 1, 0)] for m in range(m_ - 1)), kind
+    o = Around(first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, microbatches=m_,
+               ys_weights=ys_weights)
+    leaves, x0 = o.leaves, o.x0
+    n_local = 1
+    lg = leaves[0].shape[0] // (s_ * n_local)  # layers per chunk
+    has_ys = ys_weights is not None
+
+    def stage(group_leaves, x, r=0, rows=None):
+        return stage_fn(jax.tree.unflatten(o.treedef, group_leaves), x, select=(r * lg, lg), rows=rows)
+
+    ys_shape = o.stage_outputs(stage, n_local * lg)
+    program: dict = {k: jnp.asarray(tab[k]) for k in ("op", "m", "loc", "first", "last", "x", "g", "w", "self_x",
+                                                 "self_g")}
+    program["pattern"] = [jnp.asarray(p) for p in tab["pattern"]]
+    program["recv"] = [jnp.asarray(r) for r in tab["recv"]]
+
+    def local(p_leaves, o_leaves, toks, tgts, rws):
+        s = jax.lax.axis_index("pipe")
+        outer_ = jax.tree.unflatten(o.outer_def, o_leaves)
+        act = jax.ShapeDtypeStruct(x0.shape, x0.dtype)
+        group = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in p_leaves]
+        found = wgrad.sites(lambda p, x, r: stage(p, x, 0, r), group, act, _take(rws, 0))
+        kernel_at = wgrad.kernel_leaves(jax.tree.unflatten(o.treedef, list(p_leaves)), found)
+        taps0 = wgrad.zero_taps(found, lg)
+        sz = tab["sizes"]
+        c = dict(
+            x=jnp.zeros((sz["x"], *x0.shape), x0.dtype), g=jnp.zeros((sz["g"], *x0.shape), x0.dtype),
+            w=jax.tree.map(lambda a: jnp.zeros((sz["w"], *a.shape), a.dtype), taps0),
+            dins=jnp.zeros((c_, *x0.shape), x0.dtype),
+            dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves], douter=o.zero_grads(o_leaves),
+            loss=jnp.zeros((), jnp.float32),
+            ys=(jax.tree.map(lambda y: jnp.zeros((n_local, *y.shape), jnp.float32), ys_shape) if has_ys else None),
+        )
+        zero = jnp.zeros(x0.shape, x0.dtype)
+
+        def idle(c, a):
+            return c, zero
+
+        def forward(c, a):
+            c = dict(c)
+            first = a["first"] > 0
+            x = o.stage_input(outer_, toks, a["m"], first, first, _take(c["x"], a["x"]))
+            c["x"] = _put(c["x"], x, a["x"], first)  # the first chunk's input, kept for its B
+            y = stage(p_leaves, x, a["loc"], _take(rws, a["m"]))
+            y, ys = y if has_ys else (y, None)
+            if has_ys:
+                c["ys"] = jax.tree.map(lambda acc, v: acc.at[a["loc"]].add(v.astype(jnp.float32) / m_), c["ys"], ys)
+            return c, y.astype(x0.dtype)
+
+        def backward(c, a):
+            c = dict(c)
+            m, first, last = a["m"], a["first"] > 0, a["last"] > 0
+            x, rows_m = _take(c["x"], a["x"]), _take(rws, m)
+            out, pullback = wgrad.vjp(lambda p, x: stage(p, x, a["loc"], rows_m), found, lg, p_leaves, x)
+            y = (out[0] if has_ys else out).astype(x0.dtype)
+            g = o.loss_cotangent(c, o_leaves, y, tgts, m, last, last, _take(c["g"], a["g"]))
+            dgroup, dx, taps = pullback(o.output_cotangent(out, g))
+            c["dgroups"] = [acc + d.astype(acc.dtype) for acc, d in zip(c["dgroups"], dgroup)]
+            c["w"] = jax.tree.map(lambda buf, v: _put(buf, v, a["w"], True), c["w"], taps)
+            dx = o.lead_backward(c, o_leaves, toks, m, first, dx)
+            c["dins"] = _put(c["dins"], dx, m % c_, first)  # for the embedding's weight gradient (its W)
+            return c, dx
+
+        def weights(c, a):
+            c = dict(c)
+            grads = wgrad.weight_grads(found, jax.tree.map(lambda buf: _take(buf, a["w"]), c["w"]))
+            dgroups = list(c["dgroups"])
+            for path, dk in grads.items():
+                i = kernel_at[path]
+                old = jax.lax.dynamic_slice_in_dim(dgroups[i], a["loc"] * lg, lg, 0)
+                dgroups[i] = jax.lax.dynamic_update_slice_in_dim(dgroups[i], old + dk.astype(old.dtype),
+                                                                 a["loc"] * lg, 0)
+            c["dgroups"] = dgroups
+            # the first chunk's W of every C-th microbatch: the embedding's weight gradient of the last C (their
+            # Bs ran in order, each W right after its B on the first stage; one reduction over the batch axes)
+            m = a["m"]
+            c["douter"] = jax.lax.cond((a["first"] > 0) & (m % c_ == c_ - 1),
+                                       lambda d: o.embed_grads(d, o_leaves, toks, c["dins"], m + 1 - c_, s == 0),
+                                       lambda d: d, c["douter"])
+            return c, zero
+
+        def slot(c, row):
+            a = {k: v[s] for k, v in row.items() if k not in ("pattern", "recv", "t")}
+            c, out = jax.lax.switch(a["op"], [idle, forward, backward, weights], c, a)
+            out = constrain(out, ACT)
+            c["x"] = _put(c["x"], out, jnp.maximum(a["self_x"], 0), a["self_x"] >= 0)
+            c["g"] = _put(c["g"], out, jnp.maximum(a["self_g"], 0), a["self_g"] >= 0)
+            for k, (p, _) in enumerate(SENDS):
+                pats = tab["patterns"][k]
+                if len(pats) == 1:
+                    continue
+                branches = [lambda v: jnp.zeros_like(v)] + [
+                    (lambda v, pairs=pairs: jax.lax.ppermute(v, "pipe", list(pairs))) for pairs in pats[1:]]
+                got = constrain(jax.lax.switch(row["pattern"][k], branches, out), ACT)
+                slot_k = row["recv"][k][s]
+                buf = "x" if p == "F" else "g"
+                c[buf] = _put(c[buf], got, jnp.maximum(slot_k, 0), slot_k >= 0)
+            c["x"], c["g"] = constrain(c["x"], (None, *ACT)), constrain(c["g"], (None, *ACT))
+            return c, None
+
+        c, _ = jax.lax.scan(slot, c, program)
+        return o.finish(c, c["douter"])
+
+    return o.differentiate(local, primal, ys_shape)
