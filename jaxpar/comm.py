@@ -5,6 +5,7 @@ of one instance's result on a device), in the byte convention of :mod:`jaxpar.hl
 device sends with the bandwidth-optimal algorithms, all-reduce ``2 (g-1)/g S``, all-gather ``(g-1)/g S``,
 reduce-scatter ``(g-1) S`` (S its shard), all-to-all ``(g-1)/g S``, collective-permute ``S``. :func:`compare`
 holds a compiled program's collectives (``hlo.collectives``) to it (not the zero-bubble schedules').
+Long by design: every strategy's terms in one place, in the order the tests count them in compiled programs.
 
 Per strategy (``rows`` = sequences per device per microstep, or per pipeline microbatch; ``Tl`` =
 ``T / seq``; ``a`` = bytes per activation element; ``P_g`` = gradient bytes a device holds):
@@ -59,6 +60,7 @@ iteration (x the trip count, a circular pipeline's iteration holding 1/R of the 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -89,7 +91,7 @@ class Term:
 
     @property
     def label(self) -> str:
-        return "+".join(a for a in AXES if a in self.axes)
+        return _label(self.axes)
 
 
 @dataclass
@@ -104,8 +106,14 @@ class Leaf:
     stage: bool  # stacked over layers (split over pipe, and run inside the pipeline's loop)
 
 
-def _spec_axes(spec) -> set:
-    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+@functools.lru_cache(maxsize=4096)  # (the planner asks for the same few specs and axes a million times)
+def _spec_axes(spec) -> frozenset:
+    return frozenset(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+
+
+@functools.lru_cache(maxsize=256)
+def _label(axes: tuple) -> str:
+    return "+".join(a for a in AXES if a in axes)
 
 
 def _shards(spec, sizes) -> int:

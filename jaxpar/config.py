@@ -694,18 +694,21 @@ def _get_dotted(tree: dict, dotted: str) -> Any:
     return node
 
 
+_RANGED: list = []  # (section, field, Range) of every key that declares one: the planner checks thousands of configs
+
+
 def check_ranges(cfg: Config) -> None:
     """Every numeric key against the :class:`Range` its field declares."""
-    for sec in dataclasses.fields(Config):
-        section = getattr(cfg, sec.name)
-        for f in dataclasses.fields(section):
-            rng = f.metadata.get("range")
-            v = getattr(section, f.name)
-            if rng is not None and v is not None and v not in rng:
-                raise ConfigError(f"{sec.name}.{f.name}={v!r} is out of range: it must be "
-                                  + ("a finite number " if not math.isfinite(v) else "") + f"{rng}"
-                                  + (f" ({f.metadata['help']})" if "=" not in str(rng) and len(f.metadata["help"]) < 90
-                                     else ""))
+    if not _RANGED:
+        _RANGED.extend((sec.name, f, f.metadata["range"]) for sec in dataclasses.fields(Config)
+                       for f in dataclasses.fields(getattr(cfg, sec.name)) if f.metadata.get("range") is not None)
+    for name, f, rng in _RANGED:
+        v = getattr(getattr(cfg, name), f.name)
+        if v is not None and v not in rng:
+            raise ConfigError(f"{name}.{f.name}={v!r} is out of range: it must be "
+                              + ("a finite number " if not math.isfinite(v) else "") + f"{rng}"
+                              + (f" ({f.metadata['help']})" if "=" not in str(rng) and len(f.metadata["help"]) < 90
+                                 else ""))
 
 
 def validate(cfg: Config) -> None:
