@@ -56,58 +56,50 @@ def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path
 
 
 def _plot_1f1b(stages: int, microbatches: int, repeats: int, path: str | Path) -> None:
-    import matplotlib.pyplot as plt
-
-    grid = schedule_1f1b(stages, microbatches, repeats)
-    iters = len(grid[0])
-    cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * iters + 1.5), 0.8 * stages + 1.4))
-    for s, row in enumerate(grid):
-        for t, cell in enumerate(row):
-            for op, m, r in cell:
-                y = stages - 1 - s + (0.5 if op == "F" else 0.0)
-                ax.add_patch(plt.Rectangle((t, y), 1, 0.5, facecolor=cmap(m % 20), edgecolor="black",
-                                           hatch="//" if op == "B" else None, linewidth=0.5))
-                ax.text(t + 0.5, y + 0.25, f"{op}{m}" if repeats == 1 else f"{op}{m}.{r}", ha="center",
-                        va="center", fontsize=7 if repeats == 1 else 6)
-    ax.set_xlim(0, iters)
-    ax.set_ylim(0, stages)
-    ax.set_yticks([stages - 0.5 - s for s in range(stages)], [f"stage {s}" for s in range(stages)])
-    ax.set_xlabel("iteration (upper half: forward F, lower half: backward B)")
     kind = "1F1B" if repeats == 1 else f"interleaved 1F1B, {repeats} chunks per stage (F/B m.chunk)"
-    ax.set_title(f"{kind}: {stages} stages, {microbatches} microbatches, {iters} iterations, "
-                 f"bubble {100 * bubble_fraction(stages, microbatches, repeats):.1f}%\n"
-                 f"at most {max(in_flight(stages, microbatches, repeats))} stage inputs in flight per stage",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    grid = schedule_1f1b(stages, microbatches, repeats)
+    _plot_passes(grid, stages, path, halves=True, width=0.45, fontsize=7 if repeats == 1 else 6,
+                 label=lambda op, m, r: f"{op}{m}" if repeats == 1 else f"{op}{m}.{r}",
+                 xlabel="iteration (upper half: forward F, lower half: backward B)",
+                 title=f"{kind}: {stages} stages, {microbatches} microbatches, {len(grid[0])} iterations, "
+                       f"bubble {100 * bubble_fraction(stages, microbatches, repeats):.1f}%\n"
+                       f"at most {max(in_flight(stages, microbatches, repeats))} stage inputs in flight per stage")
 
 
 def _plot_zero_bubble(kind: str, stages: int, microbatches: int, path: str | Path) -> None:
-    """One pass per cell, coloured by microbatch: F plain, B hatched ``//``, W hatched ``..``; zb_v's second
-    chunk of a device (the way back up) labelled ``m'``."""
+    """One pass per cell: zb_v's second chunk of a device (the way back up) labelled ``m'``."""
+    grid = schedule_zero_bubble(kind, stages, microbatches)
+    name = {"zb_h1": "ZB-H1", "zb_v": "ZB-V (two chunks per stage, ' = the way back up)"}[kind]
+    _plot_passes(grid, stages, path, halves=False, width=0.32, fontsize=6,
+                 label=lambda op, m, r: f"{op}{m}" + ("'" if r else ""),
+                 xlabel="slot (one pass of one chunk: F forward, B input gradient, W weight gradient)",
+                 title=f"{name}: {stages} stages, {microbatches} microbatches, {len(grid[0])} slots, idle "
+                       f"{100 * idle_fraction(grid):.1f}% (1F1B: {100 * bubble_fraction(stages, microbatches):.1f}%)"
+                       f"\nat most {max(zb_in_flight(grid))} chunk inputs held per stage (F to W)")
+
+
+def _plot_passes(grid, stages: int, path: str | Path, *, halves: bool, width: float, fontsize: int, label, xlabel: str,
+                 title: str) -> None:
+    """Cells of passes ``(op, m, r)`` per stage and iteration, coloured by microbatch: F plain, B hatched ``//``,
+    W hatched ``..``; with ``halves`` (1F1B: a forward and a backward per iteration) F the upper half of its
+    cell and B the lower."""
     import matplotlib.pyplot as plt
 
-    grid = schedule_zero_bubble(kind, stages, microbatches)
-    slots = len(grid[0])
+    iters = len(grid[0])
     cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * slots + 1.5), 0.6 * stages + 1.6))
+    fig, ax = plt.subplots(figsize=(max(6.0, width * iters + 1.5), (0.8 if halves else 0.6) * stages + 1.5))
     for s, row in enumerate(grid):
         for t, cell in enumerate(row):
             for op, m, r in cell:
-                ax.add_patch(plt.Rectangle((t, stages - 1 - s), 1, 1, facecolor=cmap(m % 20), edgecolor="black",
+                y, h = (stages - 1 - s + (0.5 if op == "F" else 0.0), 0.5) if halves else (stages - 1 - s, 1.0)
+                ax.add_patch(plt.Rectangle((t, y), 1, h, facecolor=cmap(m % 20), edgecolor="black",
                                            hatch={"F": None, "B": "//", "W": ".."}[op], linewidth=0.5))
-                ax.text(t + 0.5, stages - 0.5 - s, f"{op}{m}" + ("'" if r else ""), ha="center", va="center",
-                        fontsize=6)
-    ax.set_xlim(0, slots)
+                ax.text(t + 0.5, y + h / 2, label(op, m, r), ha="center", va="center", fontsize=fontsize)
+    ax.set_xlim(0, iters)
     ax.set_ylim(0, stages)
     ax.set_yticks([stages - 0.5 - s for s in range(stages)], [f"stage {s}" for s in range(stages)])
-    ax.set_xlabel("slot (one pass of one chunk: F forward, B input gradient, W weight gradient)")
-    name = {"zb_h1": "ZB-H1", "zb_v": "ZB-V (two chunks per stage, ' = the way back up)"}[kind]
-    ax.set_title(f"{name}: {stages} stages, {microbatches} microbatches, {slots} slots, idle "
-                 f"{100 * idle_fraction(grid):.1f}% (1F1B: {100 * bubble_fraction(stages, microbatches):.1f}%)\n"
-                 f"at most {max(zb_in_flight(grid))} chunk inputs held per stage (F to W)", fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
