@@ -66,6 +66,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpar.errors import ConfigError
 from jaxpar.hlo import wire_bytes
 from jaxpar.layers.moe import expert_capacity
 from jaxpar.layers.remat import KEPT
@@ -181,7 +182,7 @@ class Runs:
     flushes: int = 1  # 1F1B: the embedding's weight gradients taken in the loops (embed_chunk), per microstep
 
 
-class NotModelled(NotImplementedError):  # a layout the model does not cover: the compile report leaves it out
+class NotModelled(ConfigError):  # a layout the model does not cover: the compile report leaves it out
     pass
 
 
@@ -190,7 +191,8 @@ def step_runs(cfg, sizes: dict) -> Runs:
     m = cfg.model.resolved()
     par, tr = cfg.parallel, cfg.train
     if sizes["pipe"] > 1 and par.pipeline_schedule not in ("gpipe", "1f1b"):
-        raise NotModelled(f"the model covers gpipe and 1f1b, not parallel.pipeline_schedule={par.pipeline_schedule}")
+        raise NotModelled(f"parallel.pipeline_schedule={par.pipeline_schedule}: the communication and time models "
+                          "(jaxpar.comm) cover gpipe and 1f1b only")
     k = tr.grad_accum
     rows = tr.batch_size // k // (sizes["data"] * sizes["expert"])
     s_, r_ = sizes["pipe"], par.pipeline_repeats

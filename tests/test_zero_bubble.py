@@ -221,3 +221,16 @@ def test_the_run_log_line_and_bubble():
     bubble = describe("zb_h1", 4, 8, lines.append)
     assert abs(bubble - 3 / 27) < 1e-12
     assert lines == [lines[0]] and "27 slots" in lines[0] and "at most 4 stage inputs" in lines[0], lines
+
+
+def test_the_communication_model_says_it_does_not_cover_it():
+    """jaxpar.comm (and with it the planner's time model) covers gpipe and 1f1b: for zb_h1 a ConfigError naming
+    the key (one error line from `python -m jaxpar.plan --calibrate` on a zb_h1 run), never numbers of another
+    schedule."""
+    from jaxpar import comm
+    from jaxpar.config import ConfigError
+
+    cfg = config("gpt2", parallel__pipe=2, parallel__pipeline_schedule="zb_h1")
+    sizes = {"data": 1, "tensor": 1, "pipe": 2, "expert": 1, "seq": 1}
+    with pytest.raises(ConfigError, match="parallel.pipeline_schedule=zb_h1: the communication and time models"):
+        comm.step_runs(cfg, sizes)
