@@ -6,7 +6,7 @@
 1. The MaxText comparison layout (Llama-style, emb 256, 4 heads, MLP 1024, 4 layers, vocab 8192 untied,
    seq 256, batch 8, float32, remat full, pipe=2 x data=4, 2 microbatches): arguments + outputs +
    temporaries - aliased (``memory_analysis()``) for the circular schedule (2 repeats), 1F1B,
-   interleaved 1F1B (2 chunks per stage), 1F1B with ZeRO-1 and ZB-H1.
+   interleaved 1F1B (2 chunks per stage), 1F1B with ZeRO-1, ZB-H1 and ZB-V.
 2. Temporaries against the microbatch count M at a fixed microbatch size (Llama, d 64, 4 layers,
    seq 16, pipe=2, 4 sequences per microbatch): GPipe keeps every microbatch, 1F1B at most 2S - 1,
    interleaved 1F1B at most 2RS - 1 chunk inputs, ZB-H1 at most S stage inputs and the deferred weight
@@ -65,14 +65,15 @@ def main(argv=None) -> int:
                         ("interleaved 1f1b (R=2)", {"parallel.pipeline_schedule": "1f1b",
                                                     "parallel.pipeline_repeats": 2}),
                         ("1f1b, zero=1", {"parallel.pipeline_schedule": "1f1b", "parallel.zero": 1}),
-                        ("zb_h1", {"parallel.pipeline_schedule": "zb_h1"})]:
+                        ("zb_h1", {"parallel.pipeline_schedule": "zb_h1"}),
+                        ("zb_v", {"parallel.pipeline_schedule": "zb_v", "parallel.pipeline_repeats": 2})]:
         mem = memory({**MAXTEXT, **extra})
         out["maxtext"][name] = mem
         print(f"  {name:22s} total {mem['total'] / MIB:7.1f} MiB  (arguments {mem['argument_size'] / MIB:.1f}, "
               f"temporaries {mem['temp_size'] / MIB:.1f})")
     print("temporaries against M, 4 sequences per microbatch:")
     for name, sched, r in (("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved 1f1b (R=2)", "1f1b", 2),
-                           ("zb_h1", "zb_h1", 1)):
+                           ("zb_h1", "zb_h1", 1), ("zb_v", "zb_v", 2)):
         temps = {m: memory({**TINY, "parallel.microbatches": m, "parallel.pipeline_schedule": sched,
                             "parallel.pipeline_repeats": r, "train.batch_size": 4 * m})["temp_size"] for m in (2, 16)}
         out["microbatches"][name] = temps

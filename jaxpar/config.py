@@ -94,8 +94,9 @@ class ParallelConfig:
                                          "pipeline_repeats > 1, M a multiple of pipe) or zb_h1 (zero bubble: "
                                          "1F1B's order with each backward split into the input's gradient and the "
                                          "weights', which fills the cool-down; a third of 1F1B's bubble, "
-                                         "pipeline_repeats 1).",
-                                ("gpipe", "1f1b", "zb_h1"))
+                                         "pipeline_repeats 1) or zb_v (zero bubble with two chunks per stage in a "
+                                         "V, stage s holding layer groups s and 2*pipe-1-s; pipeline_repeats 2).",
+                                ("gpipe", "1f1b", "zb_h1", "zb_v"))
     stage_layers: str = _f("", "Uneven pipeline stages: comma-separated layers of each stage in layer order (with "
                                "pipeline_repeats > 1, of each of the pipe x pipeline_repeats groups; a MoE model "
                                "counts its stacked groups), e.g. 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7. Empty = even, or "
@@ -742,8 +743,12 @@ def validate(cfg: Config) -> None:
     if par.pipeline_schedule == "zb_h1" and par.pipeline_repeats != 1:
         raise ConfigError(f"parallel.pipeline_schedule=zb_h1 runs one chunk of layers per stage: it needs "
                           f"parallel.pipeline_repeats=1; got {par.pipeline_repeats} (for chunks, use 1f1b)")
-    if par.pipeline_schedule == "zb_h1" and par.pipe > 1 and par.seq > 1 and par.seq_attention == "ring":
-        raise ConfigError("parallel.pipeline_schedule=zb_h1 with parallel.seq > 1 needs parallel.seq_attention="
+    if par.pipeline_schedule == "zb_v" and par.pipeline_repeats != 2:
+        raise ConfigError(f"parallel.pipeline_schedule=zb_v runs two chunks of layers per stage (down the stages "
+                          f"and back up): it needs parallel.pipeline_repeats=2; got {par.pipeline_repeats}")
+    if par.pipeline_schedule in ("zb_h1", "zb_v") and par.pipe > 1 and par.seq > 1 and par.seq_attention == "ring":
+        raise ConfigError(f"parallel.pipeline_schedule={par.pipeline_schedule} with parallel.seq > 1 needs "
+                          "parallel.seq_attention="
                           "all_gather or ulysses: ring attention's collective-permutes, run inside a stage's pass "
                           "while other stages run other passes, paired up across stages on XLA:CPU (wrong numbers)")
     m = cfg.model

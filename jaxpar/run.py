@@ -89,7 +89,7 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
             log(f"pipeline: interleaved 1F1B ({r} chunks per stage), {stages} stages, {m} microbatches: "
                 f"{m * r + r * stages + stages - 2} iterations, at most {max(in_flight(stages, m, r))} chunk inputs "
                 f"held per stage, bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
-    elif kind == "zb_h1":  # logs its line; the bubble in slots of one pass
+    elif kind in ("zb_h1", "zb_v"):  # logs its line; the bubble in slots of one pass
         bubble = zb_describe(kind, stages, m, log)
     else:
         log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "

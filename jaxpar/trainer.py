@@ -291,9 +291,10 @@ class Trainer:
     def layer_order(self, n: int) -> np.ndarray:
         """``order[p]``: the layer a stack of ``n`` layers stores at position p on this layout, -1 for the
         padding of uneven stages (:func:`jaxpar.layers.stack.storage_order`)."""
-        from jaxpar.layers.stack import storage_order
+        from jaxpar.layers.stack import storage_order, v_shaped
 
-        return storage_order(n, self.sizes["pipe"], self.cfg.parallel.pipeline_repeats, self.groups)
+        return storage_order(n, self.sizes["pipe"], self.cfg.parallel.pipeline_repeats, self.groups,
+                             v_shaped(self.cfg.parallel))
 
     def _restack(self, inverse: bool):
         """``(stacked, fn)``: which leaves are stacked layers, and ``fn(a, stacked)`` moving one from layer

@@ -64,7 +64,11 @@ def test_overrides_and_yaml(tmp_path):
      "parallel.pipeline_schedule=zb_h1 runs one chunk of layers per stage: it needs parallel.pipeline_repeats=1"),
     (["parallel.pipe=2", "parallel.seq=2", "parallel.pipeline_schedule=zb_h1"],
      "parallel.pipeline_schedule=zb_h1 with parallel.seq > 1 needs parallel.seq_attention=all_gather or ulysses"),
-    (["parallel.pipeline_schedule=zb_v"], "parallel.pipeline_schedule='zb_v' is not a valid choice; choose one of gpipe, 1f1b, zb_h1"),
+    (["parallel.pipe=2", "parallel.pipeline_schedule=zb_v"],
+     "parallel.pipeline_schedule=zb_v runs two chunks of layers per stage (down the stages and back up): it needs "
+     "parallel.pipeline_repeats=2; got 1"),
+    (["parallel.pipeline_schedule=zb"], "parallel.pipeline_schedule='zb' is not a valid choice; choose one of gpipe, "
+     "1f1b, zb_h1, zb_v"),
     (["debug.nan_steps=3,x"], "debug.nan_steps='3,x': expected comma-separated step numbers"),
     (["distributed.num_processes=2", "distributed.process_id=2"], "distributed.process_id=2 must be < "),
     (["model=3"], "model is a section"),

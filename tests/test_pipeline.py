@@ -21,8 +21,9 @@ def loss_grads(cfg):
     first = first_step(cfg)
     t, loss, grads = first["trainer"], first["loss"], first["grads"]
     s, r = t.sizes["pipe"], cfg.parallel.pipeline_repeats
+    v = cfg.parallel.pipeline_schedule == "zb_v"  # (ZB-V: each stage's second group on the way back up)
     if s > 1 and r > 1:  # circular storage is stage-major: put the layers (MoE: groups) back in order
-        grads = jax.tree.map(lambda g, ax: g[np.argsort(stage_major_order(g.shape[0], s, r))]
+        grads = jax.tree.map(lambda g, ax: g[np.argsort(stage_major_order(g.shape[0], s, r, v=v))]
                              if ax[:1] == ("layers",) else g, grads, t.adapter.axes,
                              is_leaf=lambda x: isinstance(x, np.ndarray))
     return float(loss), grads
@@ -84,6 +85,15 @@ CASES = [
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4, parallel__pipeline_schedule="zb_h1")),
     ("moe_every2", dict(parallel__pipe=2, parallel__data=2, parallel__microbatches=8, moe__dropless=True,
                         moe__dispatch="sorted", parallel__pipeline_schedule="zb_h1")),
+    # ZB-V (two chunks per stage in a V, stored so): pipe 2 and 4, M = S, 2S, 4S, with data and tensor, MoE
+    ("gpt2", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__pipeline_schedule="zb_v")),
+    ("gpt2", dict(model__n_layers=8, parallel__pipe=4, parallel__pipeline_repeats=2, parallel__microbatches=8,
+                  parallel__data=2, parallel__pipeline_schedule="zb_v")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=8,
+                       parallel__tensor=2, parallel__data=2, parallel__pipeline_schedule="zb_v",
+                       model__remat="full")),
+    ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_repeats=2, parallel__microbatches=4,
+                 parallel__pipeline_schedule="zb_v")),
 ]
 # MoE through the pipeline: router losses weighted 0 (their batch-mean products change with the
 # microbatching); nothing drops (capacity factor E/k), so cross-entropy and gradients are exact.
@@ -105,7 +115,9 @@ def test_loss_and_grads_match_single_device(single, style, layout):
 
 @pytest.mark.parametrize("style, layout", [
     ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__pipeline_schedule="1f1b")),
-    ("moe_every2", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_schedule="1f1b"))])
+    ("moe_every2", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_schedule="1f1b")),
+    ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__pipeline_repeats=2, parallel__microbatches=4,
+                  parallel__pipeline_schedule="zb_v"))])
 def test_evaluation_loss_matches_single_device(single, style, layout):
     """The loss without gradients (evaluation): under 1F1B it is ``pipeline_loss`` (the GPipe schedule
     with the embedding and the head inside the pipeline's ``shard_map``), equal to one device's."""
@@ -171,7 +183,7 @@ def test_pipe_traffic_is_point_to_point(sched):
     assert outer <= reduces[2]["bytes"] <= 1.01 * outer, (reduces, outer)
 
 
-@pytest.mark.parametrize("sched, tensor", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zb_h1", 2)])
+@pytest.mark.parametrize("sched, tensor", [("gpipe", 2), ("1f1b", 2), ("1f1b", 1), ("zb_h1", 2), ("zb_v", 2)])
 def test_head_and_embedding_run_on_their_stage_only(sched, tensor):
     """The head's matmuls (every ``dot`` with a dimension of a device's vocabulary slice, 384 of a padded 768
     split over tensor = 2, or 768 on pipe alone: no other dimension of the model) and the embedding's gather
@@ -182,7 +194,8 @@ def test_head_and_embedding_run_on_their_stage_only(sched, tensor):
     from jaxpar import hlo
 
     cfg = config("llama_gqa", **L4, model__vocab_size=700, parallel__pipe=2, parallel__tensor=tensor,
-                 parallel__data=tensor, parallel__microbatches=4, parallel__pipeline_schedule=sched)
+                 parallel__data=tensor, parallel__microbatches=4, parallel__pipeline_schedule=sched,
+                 parallel__pipeline_repeats=2 if sched == "zb_v" else 1)
     text = trainer(cfg).hlo_text()
     v, d = 768 // tensor, cfg.model.d_model
     comps, _ = hlo.parse_computations(text)

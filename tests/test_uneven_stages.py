@@ -63,6 +63,9 @@ CASES = {  # (style, layers, layout): each schedule, with data / tensor / seq, e
                                      parallel__pipeline_schedule="1f1b")),
     # Gemma 3's per-layer windows (local, local, global...) follow the layers into the padded storage
     "gemma3-windows": ("gemma3", 5, dict(parallel__pipe=2, parallel__microbatches=4)),
+    # ZB-V's storage (stage s: groups s and 2S-1-s), padded, with the windows
+    "zb_v-7-windows": ("gemma3", 7, dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2,
+                                         parallel__pipeline_schedule="zb_v")),
 }
 
 
@@ -174,8 +177,10 @@ def test_checkpoint_is_layer_order_and_restores_on_other_layouts(tmp_path):
 
 
 @pytest.mark.parametrize("layout", [dict(parallel__pipe=2, parallel__data=2),
-                                    dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__tensor=2)],
-                         ids=["uneven", "circular"])
+                                    dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__tensor=2),
+                                    dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__tensor=2,
+                                         parallel__pipeline_schedule="zb_v")],
+                         ids=["uneven", "circular", "zb_v"])
 def test_generation_runs_the_layers_in_layer_order(layout):
     """Generation scans the stacked layers: from a padded (uneven) or stage-major (circular) storage order it
     gets them in layer order first (``Trainer.params_in_layer_order``), so its greedy tokens are one device's."""

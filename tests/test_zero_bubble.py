@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from helpers import config, trainer
-from jaxpar.layers.zero_bubble import (BWD, FWD, KINDS, SENDS, WGT, idle_fraction, in_flight, schedule_zero_bubble,
-                                       tables)
+from jaxpar.layers.zero_bubble import (BWD, FWD, IDLE, KINDS, SENDS, WGT, idle_fraction, in_flight,
+                                       schedule_zero_bubble, tables)
 
 
 def check_grid(kind: str, grid, stages: int, microbatches: int) -> dict:
@@ -76,14 +76,15 @@ def test_bad_arguments_name_the_value():
         schedule_zero_bubble("zb_v", 4, 3)
 
 
-@pytest.mark.parametrize("kind, stages, microbatches", [("zb_h1", 2, 2), ("zb_h1", 4, 8), ("zb_h1", 3, 5),
-                                                        ("zb_v", 4, 8), ("zb_v", 2, 4)])
-def test_executor_program_replays_the_grid(kind, stages, microbatches):
+@pytest.mark.parametrize("kind, stages, microbatches, forward_only", [
+    ("zb_h1", 2, 2, False), ("zb_h1", 4, 8, False), ("zb_h1", 3, 5, False), ("zb_v", 4, 8, False),
+    ("zb_v", 2, 4, False), ("zb_v", 3, 7, False), ("zb_h1", 4, 8, True), ("zb_v", 4, 8, True), ("zb_v", 2, 3, True)])
+def test_executor_program_replays_the_grid(kind, stages, microbatches, forward_only):
     """The executor's tables, replayed here slot by slot with buffers of their sizes: every pass reads what its
     grid predecessor wrote into the slot it names (a chunk input from the F before it, or the embedding; an
     output cotangent from the next chunk's B; a B's taps for the W), nothing is overwritten before it is read,
     and each chunk output crosses to its neighbour stage once (sent by the pattern of its slot)."""
-    tab = tables(kind, stages, microbatches)
+    tab = tables(kind, stages, microbatches, forward_only)
     n = stages if kind == "zb_h1" else 2 * stages
     dev = [c if kind == "zb_h1" or c < stages else 2 * stages - 1 - c for c in range(n)]
     bufs = {b: [[None] * tab["sizes"][b] for _ in range(stages)] for b in ("x", "g", "w")}
@@ -119,20 +120,27 @@ def test_executor_program_replays_the_grid(kind, stages, microbatches):
                 assert value[0] == ("x" if p == "F" else "g") and dst == src + step and dev[value[2]] == dst
                 bufs[value[0]][dst][tab["recv"][k][t, dst]] = value
                 sent += 1
-    assert sent == 2 * microbatches * sum(dev[c] != dev[c + 1] for c in range(n - 1))
+    assert sent == (1 if forward_only else 2) * microbatches * sum(dev[c] != dev[c + 1] for c in range(n - 1))
+    ops = sorted((int(tab["op"][t, d]), int(tab["m"][t, d])) for t in range(tab["slots"]) for d in range(stages)
+                 if tab["op"][t, d] != IDLE)
+    assert ops == sorted((op, m) for op in ((FWD,) if forward_only else (FWD, BWD, WGT)) for m in range(microbatches)
+                         for _ in range(n))  # every pass of every chunk once
 
 
-def test_zb_h1_crosses_pipe_once_per_activation_and_gradient():
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_bubble_crosses_pipe_once_per_activation_and_gradient(kind):
     """From the compiled program (llama, pipe = 4 x data = 2, M = 8): every collective-permute over pipe sits in
     a branch of a conditional chosen per slot, one microbatch's activations each, its pairs one neighbour
     step apart and a pattern of the executor's tables; none runs unconditionally. Replaying the tables' choice
-    per slot, each microbatch's activations cross each of the S - 1 stage boundaries once forward and its
-    gradient once backward: 2M(S-1) transfers, the minimum."""
+    per slot, each microbatch's activations cross each stage boundary on its way once forward and its
+    gradient once backward: 2M(S-1) transfers for ZB-H1, the minimum; 2M(2S-2) for ZB-V (down and back up,
+    the turn on one device)."""
     from jaxpar import hlo
 
     s_, m_ = 4, 8
-    cfg = config("llama", model__n_layers=4, parallel__pipe=s_, parallel__data=2, parallel__microbatches=m_,
-                 train__batch_size=2 * m_, parallel__pipeline_schedule="zb_h1")
+    r_ = 2 if kind == "zb_v" else 1
+    cfg = config("llama", model__n_layers=4 * r_, parallel__pipe=s_, parallel__data=2, parallel__microbatches=m_,
+                 train__batch_size=2 * m_, parallel__pipeline_schedule=kind, parallel__pipeline_repeats=r_)
     t = trainer(cfg)
     text = t.hlo_text()
     comps, _ = hlo.parse_computations(text)
@@ -145,7 +153,7 @@ def test_zb_h1_crosses_pipe_once_per_activation_and_gradient():
         return [i for c in names for i in comps[c] if i.opcode.removesuffix("-start") == "collective-permute"]
 
     assert not permutes(always)
-    tab = tables("zb_h1", s_, m_)
+    tab = tables(kind, s_, m_)
     compiled = []
     for _, branches in conds:
         per = [permutes(b) for b in branches]
@@ -162,7 +170,7 @@ def test_zb_h1_crosses_pipe_once_per_activation_and_gradient():
     wanted = [[frozenset(p) for p in tab["patterns"][k][1:]] for k in range(len(SENDS)) if len(tab["patterns"][k]) > 1]
     assert sorted(map(sorted, compiled), key=str) == sorted(map(sorted, wanted), key=str)
     transfers = sum(len(tab["patterns"][k][i]) for k in range(len(SENDS)) for i in tab["pattern"][k])
-    assert transfers == 2 * m_ * (s_ - 1)
+    assert transfers == 2 * m_ * (s_ - 1) * r_
 
 
 @pytest.mark.parametrize("style, over", [("gpt2", []), ("llama", ["model.compute_dtype=bfloat16"]),
@@ -214,13 +222,15 @@ def test_b_and_w_add_up_to_the_backward(style, over):
 
 
 def test_the_run_log_line_and_bubble():
-    """train.py's line for zb_h1 and the bubble_fraction it records: (S-1)/(3M+S-1), in slots of one pass."""
+    """train.py's line and the bubble_fraction it records, in slots of one pass: ZB-H1 (S-1)/(3M+S-1), ZB-V's
+    51 slots of a chunk at S = 4, M = 8 (6M + S - 1), 3 idle per stage."""
     from jaxpar.layers.zero_bubble import describe
 
     lines: list[str] = []
-    bubble = describe("zb_h1", 4, 8, lines.append)
-    assert abs(bubble - 3 / 27) < 1e-12
-    assert lines == [lines[0]] and "27 slots" in lines[0] and "at most 4 stage inputs" in lines[0], lines
+    assert abs(describe("zb_h1", 4, 8, lines.append) - 3 / 27) < 1e-12
+    assert abs(describe("zb_v", 4, 8, lines.append) - 3 / 51) < 1e-12
+    assert len(lines) == 2 and "ZB-H1" in lines[0] and "27 slots" in lines[0] and "4 stage inputs" in lines[0]
+    assert "ZB-V" in lines[1] and "51 slots of one pass of a chunk" in lines[1], lines
 
 
 def test_the_communication_model_says_it_does_not_cover_it():

@@ -62,14 +62,22 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (microbatches * repeats + stages - 1)
 
 
-def stage_major_order(n_layers: int, stages: int, repeats: int, counts=None) -> np.ndarray:
-    """``order[p]`` = the layer stored at position p: stage s holds groups s, s+S, s+2S, ... With
-    ``counts`` (:func:`~jaxpar.partitioning.layer_groups`: the layers of each group, uneven) every group is stored in
-    max(counts) slots, its layers first: the others hold -1 (padding, :mod:`jaxpar.layers.stack`)."""
+def group_of(s: int, r: int, stages: int, v: bool = False) -> int:
+    """The layer group of stage s's r-th chunk: r S + s round a ring, or with ``v`` (ZB-V) down the stages and
+    back up, stage s holding groups s and 2S - 1 - s (odd r: the way up)."""
+    return r * stages + (stages - 1 - s if v and r % 2 else s)
+
+
+def stage_major_order(n_layers: int, stages: int, repeats: int, counts=None, v: bool = False) -> np.ndarray:
+    """``order[p]`` = the layer stored at position p: stage s holds groups s, s+S, s+2S, ... (``v``: s, 2S-1-s,
+    :func:`group_of`). With ``counts`` (:func:`~jaxpar.partitioning.layer_groups`: the layers of each group,
+    uneven) every group is stored in max(counts) slots, its layers first: the others hold -1 (padding,
+    :mod:`jaxpar.layers.stack`)."""
     g = stages * repeats
     counts = tuple(counts) if counts is not None else (n_layers // g,) * g
     lg, start = max(counts), np.concatenate([[0], np.cumsum(counts)])
-    return np.array([start[r * stages + s] + j if j < counts[r * stages + s] else -1
+    grp = [[group_of(s, r, stages, v) for r in range(repeats)] for s in range(stages)]
+    return np.array([start[grp[s][r]] + j if j < counts[grp[s][r]] else -1
                      for s in range(stages) for r in range(repeats) for j in range(lg)])
 
 

@@ -46,22 +46,31 @@ from jaxpar.layers import wgrad
 from jaxpar.layers.pipeline import one_f_one_b, pipeline, pipeline_loss, stage_major_order
 from jaxpar.layers.remat import remat as rematerialise
 from jaxpar.layers.zero_bubble import KINDS as ZERO_BUBBLE
-from jaxpar.layers.zero_bubble import zero_bubble_loss
+from jaxpar.layers.zero_bubble import zero_bubble_forward, zero_bubble_loss
 from jaxpar.layers.remat import select_remat
 from jaxpar.partitioning import active_rules
 
 
-def storage_order(n: int, stages: int, repeats: int, counts=None) -> np.ndarray:
+def storage_order(n: int, stages: int, repeats: int, counts=None, v: bool = False) -> np.ndarray:
     """``order[p]``: the layer a stack of ``n`` stores at position p: stage-major under a circular
     pipeline (``stages`` > 1 and ``repeats`` > 1, :func:`~jaxpar.layers.pipeline.stage_major_order`),
     so that each device's layer groups are contiguous; with uneven ``counts`` (the layers of each group,
     :func:`~jaxpar.partitioning.layer_groups`) every group padded to max(counts) slots, a padding
     slot holding -1; else ``0..n-1``."""
     if counts is not None and len(set(counts)) > 1:
-        return stage_major_order(n, stages, repeats, counts)
+        return stage_major_order(n, stages, repeats, counts, v)
     if stages == 1 or repeats == 1:
         return np.arange(n)
-    return np.asarray(stage_major_order(n, stages, repeats))
+    return np.asarray(stage_major_order(n, stages, repeats, v=v))
+
+
+def v_shaped(parallel=None) -> bool:
+    """Whether the layout (``parallel``, or the active rules') stores its layers for ZB-V (each stage's second
+    chunk on the way back up)."""
+    if parallel is None:
+        rules = active_rules()
+        parallel = None if rules is None else rules.parallel
+    return parallel is not None and parallel.pipeline_schedule == "zb_v"
 
 
 def layer_positions(order: np.ndarray) -> np.ndarray:
@@ -108,7 +117,8 @@ def to_storage(rows, n: int):
     rules = active_rules()
     if rules is None or rules.parallel is None or rules.axis_size("pipe") == 1:
         return rows
-    order = storage_order(n, rules.axis_size("pipe"), rules.parallel.pipeline_repeats, uneven_groups())
+    order = storage_order(n, rules.axis_size("pipe"), rules.parallel.pipeline_repeats, uneven_groups(),
+                          v_shaped(rules.parallel))
     if np.array_equal(order, np.arange(n)):
         return rows
     return jax.tree.map(lambda a: restack(a, order), rows)
@@ -171,7 +181,7 @@ class Stack:
         stored = jax.tree.leaves(state)[0].shape[0]
         counts = uneven_groups(stored) if pipe else None
         n = sum(counts) if counts else stored
-        order = storage_order(n, pipe[0], pipe[1], counts) if pipe else np.arange(n)
+        order = storage_order(n, pipe[0], pipe[1], counts, v_shaped()) if pipe else np.arange(n)
         order = None if np.array_equal(order, np.arange(stored)) else order
         if not self.per_layer and counts is None:
             return graphdef, state, order
@@ -235,7 +245,12 @@ class Stack:
             raise NotImplementedError("per-row inputs (packed documents) run through a pipeline in the training "
                                       "loss (Stack.loss) only, not in a forward of the stack")
         s_, r_, m_ = pipe
-        out = pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs)
+        if v_shaped():  # ZB-V's storage: its forwards down the stages and back up
+            out = zero_bubble_forward("zb_v", stage_fn, lambda _, h: h, None, state, {}, x, None, stages=s_,
+                                      microbatches=m_, ys_weights={} if self.outputs else None)
+            out = out if self.outputs else out[0]
+        else:
+            out = pipeline(stage_fn, state, x, stages=s_, repeats=r_, microbatches=m_, outputs=self.outputs)
         return (out[0], _in_layer_order(out[1], order)) if self.outputs else out
 
     def loss(self, first_fn, last_fn, outer, tokens: jax.Array, targets: jax.Array, *args,
@@ -265,6 +280,9 @@ class Stack:
         rows = self.rows or None
 
         def primal(p, o, tok, tgt, rws):
+            if v_shaped():  # ZB-V's storage: its forwards down the stages and back up
+                return zero_bubble_forward("zb_v", stage_fn, first_fn, last_fn, p, o, tok, tgt, stages=s_,
+                                           microbatches=m_, ys_weights=weights, rows=rws, lead_fn=lead_fn)
             return pipeline_loss(stage_fn, first_fn, last_fn, p, o, tok, tgt, stages=s_, repeats=r_, microbatches=m_,
                                  ys_weights=weights, rows=rws, lead_fn=lead_fn)
 

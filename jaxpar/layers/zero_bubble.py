@@ -21,8 +21,10 @@ T_B = T_W), 1F1B runs F and then B + W as one pass: its S - 1 slots of warm-up a
 
 Each grid is timed as soon as possible from the stages' orders (:func:`time_orders`): a pass runs in
 the slot after the passes it needs and after its stage's previous pass. :func:`zero_bubble_loss` runs
-ZB-H1 from its grid (``parallel.pipeline_schedule=zb_h1``; B and W apart: :mod:`jaxpar.layers.wgrad`);
-ZB-V has its grid and chart only.
+either from its grid (``parallel.pipeline_schedule=zb_h1`` / ``zb_v``; B and W apart:
+:mod:`jaxpar.layers.wgrad`), :func:`zero_bubble_forward` its forwards alone (an evaluation, logits: ZB-V's
+storage, stage s holding groups s and 2S-1-s, is no ring for GPipe). Long by design: the grids, the
+executor's tables and the executor that follows them, together.
 """
 
 from __future__ import annotations
@@ -148,9 +150,12 @@ def describe(kind: str, stages: int, microbatches: int, log) -> float:
     """``log`` the run log's line on the schedule; its idle fraction (the ``bubble_fraction`` of metrics.jsonl)."""
     grid = schedule_zero_bubble(kind, stages, microbatches)
     bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches)["sizes"]
-    log(f"pipeline: ZB-H1, {stages} stages, {microbatches} microbatches: {len(grid[0])} slots of one pass (F, B or "
-        f"W, taken as equal), at most {sizes['x']} stage inputs and {sizes['w']} microbatches' deferred "
-        f"weight-gradient inputs held per stage, bubble (S-1)/(3M+S-1) = {100 * bubble:.1f}%")
+    name, unit, what = (("ZB-H1", "", "stage inputs") if kind == "zb_h1" else
+                        ("ZB-V (two chunks per stage)", " of a chunk", "chunk inputs"))
+    log(f"pipeline: {name}, {stages} stages, {microbatches} microbatches: {len(grid[0])} slots of one pass{unit} "
+        f"(F, B or W, taken as equal), at most {sizes['x']} {what} and {sizes['w']} chunks' deferred weight-gradient "
+        f"inputs held per stage, bubble {100 * bubble:.1f}% (1F1B: "
+        f"{100 * (stages - 1) / (microbatches + stages - 1):.1f}%)")
     return bubble
 
 
@@ -206,25 +211,33 @@ def _allocate(spans: dict) -> tuple[dict, int]:
     return out, max(n, 1)
 
 
-def tables(kind: str, stages: int, microbatches: int) -> dict:
+def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False) -> dict:
     """The executor's program: per slot t and device d (``[T, S]`` int arrays) the pass (``op``: IDLE, FWD,
     BWD, WGT), its microbatch, its chunk's index on the device (``loc``), whether it is the model's first or
     last chunk, the buffer slots it reads and writes (``x``: the chunk input kept from its arrival to its B;
     ``g``: the output cotangent from its arrival to the B; ``w``: B's taps kept for the W), the slot a
     chunk's output goes to on its own device (``self_x`` / ``self_g``, -1: none), and per send of
     :data:`SENDS` the pattern of senders (``pattern[k][t]``: an index into ``patterns[k]``, 0 none) and
-    the slot each receiver files it in (``recv[k]``, -1: none); with the buffers' sizes."""
+    the slot each receiver files it in (``recv[k]``, -1: none); with the buffers' sizes. ``forward_only``:
+    the forwards alone, each as soon as its input is there (an evaluation, or logits), its input kept until
+    it runs."""
     s_, m_ = stages, microbatches
     n = chunks(kind, s_)
-    timed = time_orders(orders(kind, s_, m_), n)
+    stage_orders = orders(kind, s_, m_)
+    if forward_only:
+        stage_orders = [[op for op in order if op[0] == "F"] for order in stage_orders]
+    timed = time_orders(stage_orders, n)
     slots = max(t for row in timed for t in row.values()) + 1
     at = {op: t for row in timed for op, t in row.items()}
     dev = [device_of(kind, s_, c) for c in range(n)]
     # spans in half slots: a pass of slot t computes at 2t + 1, what it sends is filed at 2t + 2
-    xs = {(m, c): ((2 * at[("F", m, c)] + 1) if c == 0 else (2 * at[("F", m, c - 1)] + 2), 2 * at[("B", m, c)] + 1)
+    read = "F" if forward_only else "B"  # the pass that reads a chunk's input last
+    xs = {(m, c): ((2 * at[("F", m, c)] + 1) if c == 0 else (2 * at[("F", m, c - 1)] + 2), 2 * at[(read, m, c)] + 1)
           for m in range(m_) for c in range(n)}
-    gs = {(m, c): (2 * at[("B", m, c + 1)] + 2, 2 * at[("B", m, c)] + 1) for m in range(m_) for c in range(n - 1)}
-    ws = {(m, c): (2 * at[("B", m, c)] + 1, 2 * at[("W", m, c)] + 1) for m in range(m_) for c in range(n)}
+    gs = {} if forward_only else {(m, c): (2 * at[("B", m, c + 1)] + 2, 2 * at[("B", m, c)] + 1)
+                                  for m in range(m_) for c in range(n - 1)}
+    ws = {} if forward_only else {(m, c): (2 * at[("B", m, c)] + 1, 2 * at[("W", m, c)] + 1)
+                                  for m in range(m_) for c in range(n)}
     sizes = {}
     alloc = {}
     for name, spans in (("x", xs), ("g", gs), ("w", ws)):
@@ -244,7 +257,7 @@ def tables(kind: str, stages: int, microbatches: int) -> dict:
         out["op"][t, d] = {"F": FWD, "B": BWD, "W": WGT}[p]
         out["m"][t, d], out["loc"][t, d] = m, int(c >= s_ and kind == "zb_v")
         out["first"][t, d], out["last"][t, d] = c == 0, c == n - 1
-        out["x"][t, d], out["w"][t, d] = alloc["x"][(m, c)], alloc["w"][(m, c)]
+        out["x"][t, d], out["w"][t, d] = alloc["x"][(m, c)], alloc["w"].get((m, c), 0)
         if p == "B" and c < n - 1:
             out["g"][t, d] = alloc["g"][(m, c)]
         to = {"F": c + 1, "B": c - 1, "W": -1}[p]
@@ -274,8 +287,8 @@ def tables(kind: str, stages: int, microbatches: int) -> dict:
 
 def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, tokens, targets, *, stages: int,
                      microbatches: int, primal, ys_weights=None, rows=None, lead_fn=None):
-    """Loss and gradients of a pipelined model under ``kind`` (``zb_h1``; arguments and results as
-    :func:`~jaxpar.layers.pipeline.one_f_one_b`, ``repeats`` 1).
+    """Loss and gradients of a pipelined model under ``kind`` (``zb_h1``, or ``zb_v`` with the layers stored
+    for it, two chunks per stage; arguments and results as :func:`~jaxpar.layers.pipeline.one_f_one_b`).
 
     Lock-step slots of one pass each (:func:`tables`, from the grid of :func:`schedule_zero_bubble`): in slot
     t each device runs its pass in a ``lax.switch`` (idle, F, B or W: the same on every device of a stage,
@@ -289,27 +302,22 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
     the loss of that forward (the head on the last device only), the first chunk's B ends in the lead-in
     and keeps the input gradient for the embedding's weight gradient; W turns the kept pairs into the kernels'
     gradients, and the first chunk's W of every C-th microbatch takes the embedding's weight gradient of the
-    last C (:func:`~jaxpar.layers.pipeline.embed_chunk`: C <= 2S, so that the kept input gradients do not grow
+    last C (:func:`_embed_chunk`: C <= 2S where the grid allows, so that the kept input gradients do not grow
     with M; one reduction over the batch axes per C microbatches). Held per device: the chunk inputs
     of its passes between F and B (``tables(...)["sizes"]["x"]``, S on ZB-H1's first stage) and the B
     taps of its passes between B and W (``["w"]``: every deferred matmul's input and output cotangent,
     a microbatch's activations of ``model.remat=none`` for each).
     """
     from jaxpar.layers import wgrad
-    from jaxpar.layers.pipeline import ACT, Around, _put, _take, embed_chunk
+    from jaxpar.layers.pipeline import ACT, Around, _put, _take
 
-    if kind != "zb_h1":
-        raise ValueError(f"parallel.pipeline_schedule={kind!r}: the executor runs zb_h1 (zb_v: its grid only)")
     s_, m_ = stages, microbatches
     tab = tables(kind, s_, m_)
-    c_ = embed_chunk(s_, m_)  # the first chunk's input gradients kept for the embedding's weight gradient
-    at = {op: t for row in time_orders(orders(kind, s_, m_), chunks(kind, s_)) for op, t in row.items()}
-    # (taken in the first chunk's W, which must come before the next B overwrites a kept input gradient)
-    assert all(at[("W", m, 0)] < at[("B", m + 1, 0)] for m in range(m_ - 1)), kind
+    c_ = _embed_chunk(kind, s_, m_)  # the first chunk's input gradients kept for the embedding's weight gradient
     o = Around(first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, microbatches=m_,
                ys_weights=ys_weights)
     leaves, x0 = o.leaves, o.x0
-    n_local = 1
+    n_local = chunks(kind, s_) // s_
     lg = leaves[0].shape[0] // (s_ * n_local)  # layers per chunk
     has_ys = ys_weights is not None
 
@@ -391,22 +399,149 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
             a = {k: v[s] for k, v in row.items() if k not in ("pattern", "recv", "t")}
             c, out = jax.lax.switch(a["op"], [idle, forward, backward, weights], c, a)
             out = constrain(out, ACT)
-            c["x"] = _put(c["x"], out, jnp.maximum(a["self_x"], 0), a["self_x"] >= 0)
-            c["g"] = _put(c["g"], out, jnp.maximum(a["self_g"], 0), a["self_g"] >= 0)
-            for k, (p, _) in enumerate(SENDS):
-                pats = tab["patterns"][k]
-                if len(pats) == 1:
-                    continue
-                branches = [lambda v: jnp.zeros_like(v)] + [
-                    (lambda v, pairs=pairs: jax.lax.ppermute(v, "pipe", list(pairs))) for pairs in pats[1:]]
-                got = constrain(jax.lax.switch(row["pattern"][k], branches, out), ACT)
-                slot_k = row["recv"][k][s]
-                buf = "x" if p == "F" else "g"
-                c[buf] = _put(c[buf], got, jnp.maximum(slot_k, 0), slot_k >= 0)
-            c["x"], c["g"] = constrain(c["x"], (None, *ACT)), constrain(c["g"], (None, *ACT))
+            _deliver(c, out, a, row, tab, s)
             return c, None
 
         c, _ = jax.lax.scan(slot, c, program)
         return o.finish(c, c["douter"])
 
     return o.differentiate(local, primal, ys_shape)
+
+
+def _deliver(c: dict, out, a: dict, row: dict, tab: dict, s) -> None:
+    """The end of a slot: the pass's output ``out`` filed on its own device (the V's turn) or sent by the slot's
+    pattern of senders (one ``lax.switch`` on the slot per direction, the same on every device) into the
+    receivers' buffers (``c["x"]`` chunk inputs, ``c["g"]`` output cotangents)."""
+    from jaxpar.layers.pipeline import ACT, _put
+
+    for buf in ("x", "g"):
+        if buf in c:
+            c[buf] = _put(c[buf], out, jnp.maximum(a[f"self_{buf}"], 0), a[f"self_{buf}"] >= 0)
+    for k, (p, _) in enumerate(SENDS):
+        pats = tab["patterns"][k]
+        if len(pats) == 1:
+            continue
+        branches = [lambda v: jnp.zeros_like(v)] + [
+            (lambda v, pairs=pairs: jax.lax.ppermute(v, "pipe", list(pairs))) for pairs in pats[1:]]
+        got = constrain(jax.lax.switch(row["pattern"][k], branches, out), ACT)
+        slot_k = row["recv"][k][s]
+        buf = "x" if p == "F" else "g"
+        c[buf] = _put(c[buf], got, jnp.maximum(slot_k, 0), slot_k >= 0)
+    for buf in ("x", "g"):
+        if buf in c:
+            c[buf] = constrain(c[buf], (None, *ACT))
+
+
+def _embed_chunk(kind: str, stages: int, microbatches: int) -> int:
+    """Microbatches whose first-chunk input gradients the first device keeps before its W takes the embedding's
+    weight gradient from them: the largest divisor C of M up to 2S (:func:`~jaxpar.layers.pipeline.embed_chunk`)
+    such that the W of each C-th microbatch comes before the next microbatch's B overwrites a kept one; M (one
+    gradient, at the last W) where none does."""
+    from jaxpar.layers.pipeline import embed_chunk
+
+    m_ = microbatches
+    at = {op: t for row in time_orders(orders(kind, stages, m_), chunks(kind, stages)) for op, t in row.items()}
+    for c in sorted((c for c in range(1, embed_chunk(stages, m_) + 1) if m_ % c == 0), reverse=True):
+        if all(at[("W", m, 0)] < at[("B", m + 1, 0)] for m in range(c - 1, m_ - 1, c)):
+            return c
+    return m_
+
+
+def zero_bubble_forward(kind: str, stage_fn, first_fn, last_fn, params, outer, tokens, targets, *, stages: int,
+                        microbatches: int, ys_weights=None, rows=None, lead_fn=None):
+    """The forward of a pipelined model stored for ``kind`` without differentiation: ``(loss, ys)`` as
+    :func:`~jaxpar.layers.pipeline.pipeline_loss` (an evaluation; the primal of :func:`zero_bubble_loss`), or
+    with ``last_fn`` None the stack's output ``[B, ...]`` (and ``ys``; logits). ZB-V's chunks go down the
+    stages and back up, which GPipe's ring cannot run: the forwards of the zero-bubble grid alone
+    (:func:`tables` ``forward_only``), each as soon as its input is there, in the executor's slots; the last
+    chunk's output goes to the loss (the head on its device only) or into the output buffer."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.layers.onstage import only_where
+    from jaxpar.layers.pipeline import ACT, _batch_of, _put, _rows_in, _rules, _split_rows, _take, _whole
+    from jaxpar.partitioning import use_rules
+
+    s_, m_ = stages, microbatches
+    tab = tables(kind, s_, m_, forward_only=True)
+    rules = _rules()
+    leaves, treedef = jax.tree.flatten(params)
+    outer_leaves, outer_def = jax.tree.flatten(outer)
+    n_local = chunks(kind, s_) // s_
+    lg = leaves[0].shape[0] // (s_ * n_local)
+    b = _rows_in(tokens)
+    mb = b // m_
+    x0 = jax.eval_shape(first_fn, outer, jax.tree.map(lambda a: a[:mb], tokens))
+    has_ys = ys_weights is not None
+
+    def stage(group_leaves, x, r=0, rows=None):
+        return stage_fn(jax.tree.unflatten(treedef, group_leaves), x, select=(r * lg, lg), rows=rows)
+
+    rows_mb = _split_rows(rows, m_)
+    ys_shape = None
+    if has_ys:
+        group = [jax.ShapeDtypeStruct((n_local * lg, *a.shape[1:]), a.dtype) for a in leaves]
+        ys_shape = jax.eval_shape(lambda g, x, r: stage(g, x, 0, r), group, x0, _take(rows_mb, 0))[1]
+    program: dict = {k: jnp.asarray(tab[k]) for k in ("op", "m", "loc", "first", "last", "x", "self_x")}
+    program["pattern"] = [jnp.asarray(p) for p in tab["pattern"]]
+    program["recv"] = [jnp.asarray(r) for r in tab["recv"]]
+
+    def local(p_leaves, o_leaves, toks, tgts, rws):
+        s = jax.lax.axis_index("pipe")
+        outer_ = jax.tree.unflatten(outer_def, o_leaves)
+        c = dict(x=jnp.zeros((tab["sizes"]["x"], *x0.shape), x0.dtype), loss=jnp.zeros((), jnp.float32),
+                 out=jnp.zeros((m_, *x0.shape), x0.dtype) if last_fn is None else None,
+                 ys=(jax.tree.map(lambda y: jnp.zeros((n_local, *y.shape), jnp.float32), ys_shape) if has_ys
+                     else None))
+        zero = jnp.zeros(x0.shape, x0.dtype)
+
+        def idle(c, a):
+            return c, zero
+
+        def forward(c, a):
+            c = dict(c)
+            m, first, last = a["m"], a["first"] > 0, a["last"] > 0
+            x = _take(c["x"], a["x"])
+            with only_where(first):  # the embedding's gather on the first chunk's device only
+                x = jnp.where(first, first_fn(outer_, _take(toks, m)).astype(x0.dtype), x)
+            if lead_fn is not None:
+                x = jnp.where(first, lead_fn(outer_, x, _take(toks, m)).astype(x0.dtype), x)
+            y = stage(p_leaves, constrain(x, ACT), a["loc"], _take(rws, m))
+            y, ys = y if has_ys else (y, None)
+            y = constrain(y.astype(x0.dtype), ACT)
+            if has_ys:
+                c["ys"] = jax.tree.map(lambda acc, v: acc.at[a["loc"]].add(v.astype(jnp.float32) / m_), c["ys"], ys)
+            if last_fn is None:
+                c["out"] = _put(c["out"], y, m, last)
+            else:
+                with only_where(last):  # the head's matmuls on the last chunk's device only
+                    loss = last_fn(outer_, y, _take(tgts, m)).astype(jnp.float32)
+                c["loss"] = c["loss"] + jnp.where(last, loss / m_, 0.0)
+            return c, y
+
+        def slot(c, row):
+            a = {k: v[s] for k, v in row.items() if k not in ("pattern", "recv")}
+            c, y = jax.lax.switch(jnp.minimum(a["op"], FWD), [idle, forward], c, a)
+            _deliver(c, constrain(y, ACT), a, row, tab, s)
+            return c, None
+
+        c, _ = jax.lax.scan(slot, c, program)
+        ys = None if not has_ys else jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), c["ys"])
+        if last_fn is None:  # the last chunk's device holds the outputs (zeros elsewhere): summed over pipe once
+            return jax.lax.psum(_batch_of(c["out"], b, ACT), "pipe"), ys
+        return jax.lax.psum(c["loss"], "pipe"), ys
+
+    def body(p_leaves, o_leaves, toks, tgts, rws):
+        with use_rules(rules.manual_pipe()):
+            return local(p_leaves, o_leaves, toks, tgts, rws)
+
+    split = [_split_rows(x, m_) for x in (tokens, targets, rows)]
+    ys_spec = None if ys_shape is None else jax.tree.map(lambda _: P("pipe"), ys_shape)
+    fn = jax.shard_map(body, mesh=rules.mesh,
+                       in_specs=([P("pipe")] * len(leaves), [P()] * len(outer_leaves), *map(_whole, split)),
+                       out_specs=(P(), ys_spec), axis_names={"pipe"}, check_vma=False)
+    out, ys = jax.jit(fn)(leaves, outer_leaves, *split)
+    if last_fn is None:
+        return constrain(out, ACT), ys
+    if has_ys:
+        out = out + sum(w * jnp.sum(ys[k]) for k, w in ys_weights.items())
+    return out, ys
