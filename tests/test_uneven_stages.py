@@ -63,9 +63,11 @@ CASES = {  # (style, layers, layout): each schedule, with data / tensor / seq, e
                                      parallel__pipeline_schedule="1f1b")),
     # Gemma 3's per-layer windows (local, local, global...) follow the layers into the padded storage
     "gemma3-windows": ("gemma3", 5, dict(parallel__pipe=2, parallel__microbatches=4)),
-    # ZB-V's storage (stage s: groups s and 2S-1-s), padded, with the windows
+    # ZB-V's storage (stage s: groups s and 2S-1-s), padded, with the windows; on pipe 4 with data
     "zb_v-7-windows": ("gemma3", 7, dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2,
                                          parallel__pipeline_schedule="zb_v")),
+    "zb_v-9-pipe4": ("gpt2", 9, dict(parallel__pipe=4, parallel__pipeline_repeats=2, parallel__microbatches=8,
+                                     parallel__data=2, parallel__pipeline_schedule="zb_v")),
 }
 
 
