@@ -4,7 +4,7 @@ Every strategy's traffic as a list of :class:`Term` s (a collective kind over so
 of one instance's result on a device), in the byte convention of :mod:`jaxpar.hlo`: ``wire_bytes`` is what one
 device sends with the bandwidth-optimal algorithms, all-reduce ``2 (g-1)/g S``, all-gather ``(g-1)/g S``,
 reduce-scatter ``(g-1) S`` (S its shard), all-to-all ``(g-1)/g S``, collective-permute ``S``. :func:`compare`
-holds a compiled program's collectives (``hlo.collectives``) to it (not the zero-bubble schedules').
+holds a compiled program's collectives (``hlo.collectives``) to it.
 Long by design: every strategy's terms in one place, in the order the tests count them in compiled programs.
 
 Per strategy (``rows`` = sequences per device per microstep, or per pipeline microbatch; ``Tl`` =
@@ -32,7 +32,10 @@ pipe              GPipe / circular: per iteration (M R + S - 1 of them) one coll
                   embedding / head weight gradients summed over stages once per microstep (each
                   nonzero on one stage; under ZeRO-1 only the device's shard, after the reduction
                   over the batch axes); the head / loss / lookup collectives on the whole ``rows`` (every
-                  stage runs them, lock-step)
+                  stage runs them, lock-step). Zero-bubble (zb_h1, zb_v; :func:`_zero_bubble_runs`): a
+                  device runs M R forwards and M R Bs of a chunk (the chunk's forward again and its
+                  backward, the head's and lookup's collectives in each) and one collective-permute per
+                  slot and direction that has senders; XLA:CPU's static count: every branch of all T slots
 expert            per MoE layer 2 all-to-alls of the ``[E, C, d]`` capacity buffer forward and 2 backward;
                   sorted dispatch: exchange rounds of ``[ep, c, d]`` (``c = ceil(cf k rows Tl / ep)``), 2
                   all-to-alls a round forward, 3 backward (a round's rows again, and both transposed),
@@ -66,7 +69,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.errors import ConfigError
 from jaxpar.hlo import wire_bytes
 from jaxpar.layers.moe import expert_capacity
 from jaxpar.layers.remat import KEPT
@@ -180,19 +182,17 @@ class Runs:
     head: float
     lookup: float
     flushes: int = 1  # 1F1B: the embedding's weight gradients taken in the loops (embed_chunk), per microstep
+    zb: bool = False  # a zero-bubble schedule (zb_h1, zb_v): ``iters`` are its slots, in one loop
+    sends: float = 0.0  # zero-bubble: the collective-permutes over pipe per microstep (see step_runs)
 
 
-class NotModelled(ConfigError):  # a layout the model does not cover: the compile report leaves it out
-    pass
-
-
-def step_runs(cfg, sizes: dict) -> Runs:
-    """The layer, head and lookup runs of one train step of ``cfg`` on a mesh of ``sizes`` (see :class:`Runs`)."""
+def step_runs(cfg, sizes: dict, platform: str = "gpu") -> Runs:
+    """The layer, head and lookup runs of one train step of ``cfg`` on a mesh of ``sizes`` (see :class:`Runs`);
+    ``platform`` matters for the zero-bubble schedules only (:func:`_zero_bubble_runs`)."""
     m = cfg.model.resolved()
     par, tr = cfg.parallel, cfg.train
-    if sizes["pipe"] > 1 and par.pipeline_schedule not in ("gpipe", "1f1b"):
-        raise NotModelled(f"parallel.pipeline_schedule={par.pipeline_schedule}: the communication and time models "
-                          "(jaxpar.comm) cover gpipe and 1f1b only")
+    if sizes["pipe"] > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
+        return _zero_bubble_runs(cfg, sizes, platform)
     k = tr.grad_accum
     rows = tr.batch_size // k // (sizes["data"] * sizes["expert"])
     s_, r_ = sizes["pipe"], par.pipeline_repeats
@@ -235,17 +235,57 @@ def step_runs(cfg, sizes: dict) -> Runs:
                 mb_ // embed_chunk(s_, mb_, r_) if f1b else 1)
 
 
+def _zero_bubble_runs(cfg, sizes: dict, platform: str) -> Runs:
+    """The runs of ``zb_h1`` / ``zb_v`` (:mod:`jaxpar.layers.zero_bubble`): one loop over the grid's T slots, each
+    a ``lax.switch`` over idle / F / B / W and, per direction of its sends, a ``switch`` over the slot's
+    patterns of senders. A device runs M R forwards of a chunk (the first chunk's with the lookup and the
+    lead-in, computed on every device and selected), M R Bs (the chunk's forward again, its backward, and the
+    head and loss, whose matmuls run on the last chunk's device only) and M R Ws (local matmuls). On GPU and
+    TPU only the branch taken runs: those counts, and one collective-permute per slot and direction that has
+    senders. XLA:CPU's static count (``platform="cpu"``) holds every branch in every slot: T times F's, B's and
+    W's collectives, and T times each direction's patterns."""
+    from jaxpar.layers import zero_bubble as zb
+
+    m = cfg.model.resolved()
+    par, tr = cfg.parallel, cfg.train
+    kind, s_, r_ = par.pipeline_schedule, sizes["pipe"], par.pipeline_repeats
+    k = tr.grad_accum
+    rows = tr.batch_size // k // (sizes["data"] * sizes["expert"])
+    mb_ = par.microbatches or s_
+    tab = zb.tables(kind, s_, mb_)
+    slots = tab["slots"]
+    cpu = platform == "cpu"
+    passes = slots if cpu else mb_ * r_  # of each kind (F, B, W), per microstep
+    if cpu:
+        sends = slots * sum(len(p) - 1 for p in tab["patterns"])
+    else:
+        sends = sum(int((p > 0).sum()) for p in tab["pattern"])
+    lpg = stage_layers(cfg, sizes)
+    every, lead = (cfg.moe.every, cfg.moe.first_dense) if m.arch == "moe" else (1, 0)
+    bwd = k * passes * lpg
+    fwd = k * passes * lpg + bwd  # F's, and B's forward again
+    redo = bwd if m.remat != "none" else 0
+    moe_fwd, moe_bwd, moe_redo = fwd // every, bwd // every, redo // every
+    if lead:  # the lead-in: in every F, and in every B (its forward again and its backward)
+        fwd += 2 * k * passes * lead
+        bwd += k * passes * lead
+        redo += k * passes * lead if m.remat != "none" else 0
+    return Runs(k, rows, rows // mb_, m.seq_len // sizes["seq"], True, False, mb_, slots, slots, slots, lpg, lead,
+                fwd, bwd, redo, moe_fwd, moe_bwd, moe_redo, passes / mb_, passes / mb_,
+                mb_ // zb._embed_chunk(kind, s_, mb_), zb=True, sends=k * sends)
+
+
 def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
             param_bytes: int = 4) -> list[Term]:
     """Every collective of one train step of ``cfg`` on a mesh of ``sizes``, per device."""
     m = cfg.model.resolved()
     par = cfg.parallel
     big = lambda axes: tuple(a for a in axes if sizes[a] > 1)  # noqa: E731
-    ru = step_runs(cfg, sizes)
+    ru = step_runs(cfg, sizes, platform)
     k, layer_rows, head_rows, tl, d = ru.k, ru.layer_rows, ru.rows, ru.tl, m.d_model
     r_ = par.pipeline_repeats
     pipelined, f1b, iters, lpg, lead = ru.pipelined, ru.f1b, ru.iters, ru.lpg, ru.lead
-    f1b_iters, f1b_steady = ru.f1b_iters, ru.f1b_steady
+    f1b_iters, f1b_steady = ru.f1b_iters, ru.f1b_steady  # (zero-bubble: its slots, every one a B's)
     fwd_runs, bwd_runs, redo_runs = ru.fwd, ru.bwd, ru.redo
     moe_fwd, moe_bwd, moe_redo = ru.moe_fwd, ru.moe_bwd, ru.moe_redo
     remat = m.remat
@@ -271,16 +311,19 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             loops = k * (iters if leaf.stage and pipelined else 1)
             if f1b and (leaf.stage or head):  # accumulated in 1F1B's steady loop (a tied table: once more,
                 loops = k * (f1b_steady + tied_table)  # for the lookup after it)
+            if ru.zb and head:  # in every B of a zero-bubble grid's slots
+                loops = k * iters
 
             if pipelined and lead and leaf.names[:1] == ("sublayers",):  # the lead-in's: inside the loops,
                 loops = k * (f1b_steady if f1b else iters)  # reduced in each iteration that takes its backward
             if leaf.stage and pipelined:
                 local_iter = local / r_  # a circular iteration holds one of the stage's R groups
         lookup = leaf.names in (("vocab", "embed"), ("positions", "embed"))
-        if ru.flushes > 1 and lookup:  # 1F1B with M > 2RS: the lookup's weight gradients taken (and reduced)
-            # in the loop every C microbatches (jaxpar.layers.pipeline.embed_chunk), in a conditional, which a
-            # static count (XLA:CPU's flavour) counts in every steady iteration; a tied table's head part as
-            # before (XLA:CPU: in each steady iteration; else once)
+        if (ru.flushes > 1 or (ru.zb and platform == "cpu")) and lookup:  # 1F1B with M > 2RS, or a zero-bubble
+            # grid: the lookup's weight gradients taken (and reduced) in the loop every C microbatches
+            # (jaxpar.layers.pipeline.embed_chunk; zero-bubble: in the first chunk's W), in a conditional, which a
+            # static count (XLA:CPU's flavour) counts in every steady iteration (slot); a tied table's head part as
+            # before (XLA:CPU: in each steady iteration or B; else once)
             loops = k * (f1b_steady if platform == "cpu" else ru.flushes) + tied_table * (
                 k * f1b_steady if platform == "cpu" else 1)
         # a dot contracting batch and sequence dims reduces over each split apart on XLA:CPU; weights
@@ -290,7 +333,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             par.megatron_sp and sizes["tensor"] > 1 and "tensor" in leaf_axes)
         split = platform == "cpu" and "seq" in red and len(red) > 1 and not joint
         groups = [(("seq",), ), (tuple(a for a in red if a != "seq"),)] if split else [(red,)]
-        copies = 2 if (platform == "cpu" and tied_table and not f1b) else 1
+        copies = 2 if (platform == "cpu" and tied_table and not (f1b or ru.zb)) else 1
         for (axes,) in groups:
             sc = tuple(a for a in axes if a in scatter)
             if sc and platform != "cpu":
@@ -325,6 +368,9 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         block_ar -= k * f1b_steady  # the chunk's output, is unused by the backward and XLA drops its all-reduce
     shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts
     hk, lk = k * head_runs, k * lookup_runs
+    # the lookup's backward: once per microstep, or in the loop with its weight gradients (see the gradients above)
+    in_loop = ru.flushes > 1 or (ru.zb and platform == "cpu")
+    lookup_bwd = k * ((iters if ru.zb else f1b_steady) if platform == "cpu" else ru.flushes) if in_loop else k
     if sizes["tensor"] > 1 and not par.megatron_sp:
         if m.kv_lora_rank:  # MLA: its head-split layers read the latents (kept whole), so the attention's input
             # gradient is reduced as the latents' (queries', keys' and values', the shared RoPE key's), not as x's
@@ -346,7 +392,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         # the shared experts' input all-gathers are the routed experts' (the same gather of the same value, CSE'd)
         add("reduce-scatter", tp, shared * (moe_fwd + moe_bwd), act / t_, "Megatron-SP shared experts' reduce-scatters")
         add("reduce-scatter", tp, lk, head_act / t_, "Megatron-SP lookup reduce-scatter")
-        add("all-gather", tp, k, head_act, "Megatron-SP lookup backward")
+        add("all-gather", tp, lookup_bwd, head_act, "Megatron-SP lookup backward")
         add("all-gather", tp, hk, head_act, "Megatron-SP head input all-gather")
         add("reduce-scatter", tp, hk, head_grad / t_, "Megatron-SP head input gradient")
         add("all-reduce", tp, 3 * hk, head_rows * tl * 4, "loss max / sum / target over the vocabulary")
@@ -360,6 +406,8 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
         res = act / (sizes["tensor"] if par.megatron_sp else 1)
         if f1b:  # forward shifts in the warm-up and steady loops, backward shifts in the steady loop
             add("collective-permute", ("pipe",), k * (f1b_iters + f1b_steady), res, "1F1B stage shifts")
+        elif ru.zb:  # the slots' sends (step_runs): each a microbatch's activations or their gradient
+            add("collective-permute", ("pipe",), ru.sends, res, "zero-bubble stage shifts")
         else:
             add("collective-permute", ("pipe",), 2 * k * iters, res, "stage shift (forward, backward)")
 

@@ -50,12 +50,8 @@ def report(trainer, rep: dict, compile_seconds: float) -> dict:
     act = jnp.dtype(compute_dtype(m.compute_dtype, "gpu")).itemsize
     pb = jnp.dtype(m.param_dtype).itemsize
     # XLA:CPU runs bfloat16 dots in float32: its activation collectives carry 4-byte elements
-    model: dict
-    try:
-        model = {p: comm.summarize(comm.traffic(trainer.cfg, trainer.sizes, leaves, platform=p, param_bytes=pb,
-                                                act_bytes=4 if p == "cpu" else act)) for p in ("cpu", "gpu")}
-    except comm.NotModelled as e:  # (a zero-bubble schedule): the compiled numbers alone
-        model = {"cpu": {}, "gpu": {}, "not_modelled": str(e)}
+    model = {p: comm.summarize(comm.traffic(trainer.cfg, trainer.sizes, leaves, platform=p, param_bytes=pb,
+                                            act_bytes=4 if p == "cpu" else act)) for p in ("cpu", "gpu")}
     mem = rep.get("memory", {})
     total = mem.get("argument_size", 0) + mem.get("output_size", 0) + mem.get("temp_size", 0) - mem.get(
         "alias_size", 0)
@@ -82,8 +78,6 @@ def format_report(r: dict, hbm_gib: float = 0.0) -> str:
     lines.append("collectives per device per step, GiB on the wire: compiled | model of XLA:CPU's | model after "
                  "the GPU/TPU collective passes")
     cpu, gpu = r["collectives_model"]["cpu"], r["collectives_model"]["gpu"]
-    if "not_modelled" in r["collectives_model"]:
-        lines.append(f"  (no model columns: {r['collectives_model']['not_modelled']})")
     keys = sorted({(k, a) for d in (r["collectives"], cpu, gpu) for k, by in d.items() for a in by})
     for kind, axes in keys:
         got, a, b = (d.get(kind, {}).get(axes, 0.0) / GIB for d in (r["collectives"], cpu, gpu))

@@ -153,14 +153,18 @@ REMATS = ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full", 
 NONE_KEPT_FF = {"gelu": 6, "swiglu": 6, "geglu": 8, "clamped_swiglu": 9}
 
 
-def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase: str = "all"):
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_v")
+
+
+def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase: str = "all",
+            schedules: tuple = ("gpipe", "1f1b")):
     """The option sets of one mesh, each a list of overrides with ``train.grad_accum`` (k) left to the caller's
     search: ``parallel.zero`` 0/1/3 (1 and 3 with an axis that splits the batch), every ``model.remat`` policy
     (``offload`` off CPU), ``parallel.megatron_sp`` with ``tensor``; with a pipeline the GPipe or 1F1B schedule,
     ``pipeline_repeats`` R (divisors of the stage's layers up to 4) and, for each k, the microbatch counts M
     from S up to one sequence per microbatch (S 2^i and the largest). ``phase="first"``: the few a first pass
     over every mesh tries (every ZeRO stage, remat none and full, 1F1B, R = 1 and the largest, the smallest and
-    largest M)."""
+    largest M). ``schedules``: the pipeline schedules tried (``zb_h1`` with R = 1, ``zb_v`` with R = 2)."""
     dp = sizes["data"] * sizes["expert"]
     s_ = sizes["pipe"]
     first = phase == "first"
@@ -170,8 +174,13 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     per_stage = n_layers // s_ if s_ > 1 and n_layers % s_ == 0 else 1
     repeats = (1,) if s_ == 1 else tuple(r for r in (1, 2, 3, 4) if per_stage % r == 0)
     repeats = repeats[:1] + repeats[-1:][: len(repeats) > 1] if first else repeats  # first: 1 and the most
-    scheds = ("gpipe",) if s_ == 1 else (("1f1b",) if first else ("gpipe", "1f1b"))
-    for zero, remat, sp, sched, r_ in itertools.product(zeros, remats, sps, scheds, repeats):
+    scheds = ("gpipe",) if s_ == 1 else ((("1f1b",) if "1f1b" in schedules else schedules[:1]) if first
+                                         else schedules)
+    # the zero-bubble grids: ZB-H1 one chunk per stage, ZB-V two (a V)
+    runs = [(sched, r_) for sched in scheds for r_ in
+            (repeats if sched in ("gpipe", "1f1b") else (1,) if sched == "zb_h1" else (2,) if per_stage % 2 == 0
+             else ())]
+    for zero, remat, sp, (sched, r_) in itertools.product(zeros, remats, sps, runs):
         base = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": zero, "model.remat": remat,
                 "parallel.megatron_sp": sp}
         if s_ > 1:
@@ -195,11 +204,15 @@ class Planner:
     """Estimates layouts of ``cfg``'s model and batch on ``nodes`` nodes of ``cluster``."""
 
     def __init__(self, cfg: Config, cluster: Hardware, nodes: int = 1, efficiency: float | None = None,
-                 platform: str = "gpu"):
+                 platform: str = "gpu", schedules: tuple = ("gpipe", "1f1b")):
         if efficiency is None:
             efficiency = cluster.efficiency
         if nodes < 1 or efficiency not in EFFICIENCY:
             raise ConfigError(f"Planner(nodes={nodes}, efficiency={efficiency}): nodes >= 1, efficiency in (0, 1]")
+        bad = [x for x in schedules if x not in SCHEDULES]
+        if bad or not schedules:
+            raise ConfigError(f"--schedules {','.join(schedules)}: choose from {', '.join(SCHEDULES)}")
+        self.schedules = tuple(schedules)
         self.cluster, self.nodes = cluster.with_(efficiency=efficiency), nodes
         self.cfg = cfg
         self.n = cluster.per_node * nodes
@@ -298,6 +311,8 @@ class Planner:
             # the loop's carry as the update reads it), whole without; the embedding's and the head's whole
             mb_grad = per_device("opt" if par.zero >= 1 else "compute", pb, stage_only=True)
             mem["grads"] = per_device("compute", pb) - per_device("compute", pb, stage_only=True) + 2 * mb_grad
+            if par.pipeline_schedule in ("zb_h1", "zb_v"):  # and W's kernel gradients, beside B's others
+                mem["grads"] += mb_grad
         if cfg.train.grad_accum > 1:  # the sum over microsteps, in the optimizer's layout (ZeRO: its shard)
             mem["grads"] += per_device("opt", pb)
             if par.zero >= 3:  # and a microstep's gradient of the embedding and the head, whole before its
@@ -338,6 +353,10 @@ class Planner:
         s_, mb = sizes["pipe"], par.microbatches or sizes["pipe"]
         r_ = par.pipeline_repeats
         est.bubble = (mb * r_ + s_ - 1) / (mb * r_) if s_ > 1 else 1.0
+        if s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):  # the grid's slots over a stage's busy ones
+            from jaxpar.layers import zero_bubble as zb
+
+            est.bubble = 1 / (1 - zb.idle_fraction(zb.schedule_zero_bubble(par.pipeline_schedule, s_, mb)))
         est.budget = steptime.step_time(cfg, sizes, terms, comm.step_runs(cfg, sizes), self.cluster, self.nodes,
                                         recompute_share=_recomputed(cfg), kernel=per_token["kernel"],
                                         kept_bytes=per_token["kept"], saved_bytes=per_token["saved"],
@@ -456,6 +475,9 @@ class Planner:
             # for the embedding's weight gradient (C microbatches' of them)
             act = ((min(m_ * r_, 2 * r_ * s_ - 1) + embed_chunk(s_, m_, r_)) * micro * d * ab
                    + max(layers // r_ * micro * stored, lead * micro * lead_stored) + micro * working * wb)
+        elif s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
+            act = self._zero_bubble_held(cfg, sizes, micro, ab, wb) + (
+                max(layers // par.pipeline_repeats * micro * stored, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
             act += 2 * tokens * d * ab + lead * held * lead_stored
@@ -467,12 +489,46 @@ class Planner:
         # the loss runs between the layers' forward and their backward, so its logits and one layer's
         # working set in the backward are never live together (1F1B: the loss and a stage's backward
         # share an iteration)
-        apart = 0.0 if f1b else min(logits, micro * working * wb)
+        apart = 0.0 if f1b or par.pipeline_schedule in ("zb_h1", "zb_v") else min(logits, micro * working * wb)
         from jaxpar.layers.remat import MATMULS
 
         per_token = {"kept": kept * ab, "saved": sum(named.get(x, 0.0) for x in MATMULS) * ab, "kernel": kernel,
                      "working": micro * working * wb}
         return act, logits, apart, per_token
+
+    def _zero_bubble_held(self, cfg: Config, sizes: dict, micro: float, ab: int, wb: int) -> float:
+        """What a zero-bubble grid's device holds between its passes (:func:`jaxpar.layers.zero_bubble.tables`'
+        buffers, at their sizes for this S and M): chunk inputs (F to B), output cotangents (arrival to B) and
+        the first chunk's input gradients kept for the embedding's weight gradient (C microbatches'), each a
+        microbatch's ``[rows, T, d]``; and per microbatch between its B and its W every deferred matmul's input
+        and output cotangent (:mod:`jaxpar.layers.wgrad`: the attention's and a dense MLP's projections; a MoE
+        layer's experts and every kernel under Megatron-SP take their gradients in B), in the working width."""
+        from jaxpar import comm
+        from jaxpar.layers import zero_bubble as zb
+
+        m, par = cfg.model.resolved(), cfg.parallel
+        s_, m_ = sizes["pipe"], par.microbatches or sizes["pipe"]
+        tab = zb.tables(par.pipeline_schedule, s_, m_)
+        n = tab["sizes"]
+        c_ = zb._embed_chunk(par.pipeline_schedule, s_, m_)
+        d = m.d_model
+        held = (n["x"] + n["g"] + c_) * micro * d * ab
+        if par.megatron_sp and sizes["tensor"] > 1:
+            return held
+        t, hd = sizes["tensor"], m.head_dim
+        q, kv, o = m.n_heads * hd / t, m.n_kv_heads * hd / t, m.n_heads * (m.v_head_dim or hd) / t
+        attn = (d + q + 2 * kv) + (o + d)  # qkv: input and output cotangent; out: the same
+        ff = (2 if m.gated else 1) * m.d_ff / t
+        mlp = (d + ff) + (m.d_ff / t + d)  # up (gate-up) and down
+        lpg = comm.stage_layers(cfg, sizes)
+        if m.arch == "moe":  # one layer in `every` is a MoE layer, whose experts do not defer
+            moe_layers = lpg // cfg.moe.every
+            per = lpg * attn + (lpg - moe_layers) * mlp
+        else:
+            per = lpg * (attn + mlp)
+        # the taps of n["w"] microbatches in their buffer, and three more in flight (measured on XLA:CPU's
+        # programs: B's output, the buffer slot selected before it is written, W's read of a slot)
+        return held + (n["w"] + 3) * micro * per * wb
 
     def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
         """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit
@@ -537,7 +593,7 @@ class Planner:
                 rejected.append(({**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": 0,
                                   "model.remat": "none"}, str(e)))
                 continue
-            for base, micro in options(sizes, batch, layers, self.platform, "first"):
+            for base, micro in options(sizes, batch, layers, self.platform, "first", self.schedules):
                 for est in self.fitting(base, micro, rejected):
                     ok.append(est)
                     key = tuple(sizes.values())
@@ -547,7 +603,7 @@ class Planner:
         seen = {_key(e.overrides) for e in ok}
         for key in [x for i, x in enumerate(ranked) if i < expand or (i < 3 * expand and best[x] <= 1.1 * top)]:
             sizes = dict(zip(AXES, key))
-            for base, micro in options(sizes, batch, layers, self.platform):
+            for base, micro in options(sizes, batch, layers, self.platform, schedules=self.schedules):
                 for est in self.fitting(base, micro, rejected):
                     if _key(est.overrides) not in seen:
                         seen.add(_key(est.overrides))
@@ -632,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", action="append", default=[], metavar="RUN_DIR",
                     help="fit the cluster's efficiency and bandwidths to a train.py run of it (repeatable: "
                          "one run fits one factor, three fit compute, memory and communication apart)")
+    ap.add_argument("--schedules", default="gpipe,1f1b",
+                    help="pipeline schedules to try, comma-separated, of " + ", ".join(SCHEDULES)
+                    + " (default gpipe,1f1b; zb_h1 / zb_v: the zero-bubble grids)")
     ap.add_argument("overrides", nargs="*", help="config overrides of the model and batch")
     a = ap.parse_intermixed_args(argv)
     from jaxpar.config import load_config
@@ -663,7 +722,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster, lines = calibrate(a.calibrate, cluster.with_(efficiency=a.efficiency or cluster.efficiency),
                                        platform, Planner)
             print("calibration:\n" + "\n".join(lines) + "\n")
-        planner = Planner(cfg, cluster, a.nodes, None if a.calibrate else a.efficiency, platform=platform)
+        planner = Planner(cfg, cluster, a.nodes, None if a.calibrate else a.efficiency, platform=platform,
+                          schedules=tuple(x.strip() for x in a.schedules.split(",") if x.strip()))
         ok, rejected = planner.plan()
         if not ok:
             need = min((r for r in rejected if "GiB per device" in r[1]), default=None,
@@ -724,3 +784,4 @@ def check(cfg: Config, ests: list[Estimate]) -> str:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

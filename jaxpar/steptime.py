@@ -11,7 +11,10 @@ run by ``--calibrate``).
 ``recompute``  the forwards the backward runs again: the remat policy's share of each layer
                (``full``: all of it) and 1F1B's recompute of each stage for its backward
 ``bubble``     what a pipeline's lock-step iterations compute beyond the model: the warm-up and
-               cool-down iterations (on zeros), the padding slots of uneven stages, and the head and
+               cool-down iterations (on zeros; in the zero-bubble grids, which run no pass on zeros, the
+               stages' waits for each other with the passes' real lengths: F a chunk's forward, B its
+               forward again, the remat share and the backward but the matmuls' weight gradients, W
+               those; :func:`jaxpar.layers.zero_bubble.stretch`), the padding slots of uneven stages, and the head and
                loss, which the last stage runs on the whole batch while the others wait (their matmuls
                run on that stage only, :mod:`jaxpar.layers.onstage`, but the step waits for them: the
                last stage's head is on every stage's critical path, against one S-th of it in the ideal)
@@ -33,8 +36,9 @@ run by ``--calibrate``).
                  :mod:`jaxpar.xla_options`) except one layer's bucket; after a pipeline's loops, exposed
                * ZeRO-3 weight gathers: prefetched a layer ahead, exposed beyond the layers' compute (the
                  first layer's gather always)
-               * pipeline shifts: GPipe's are exposed (the next iteration reads them); in 1F1B a forward's
-                 shift overlaps the iteration's backward and a backward's the forward
+               * pipeline shifts: GPipe's and the zero-bubble grids' are exposed (the next iteration or slot
+                 reads them); in 1F1B a forward's shift overlaps the iteration's backward and a backward's
+                 the forward
                * ring attention's K/V hops: overlapped with the block's attention (the ring sends the
                  next block before it computes this one), exposed beyond it
                * everything else (tensor and Megatron-SP collectives, Ulysses and K/V all-gathers, the
@@ -83,6 +87,7 @@ OVERLAP = {
     "gradient all-reduce": "grads", "gradient reduce-scatter": "grads",
     "Megatron-SP replicated-weight gradient": "grads", "embedding / head gradients summed over stages": "grads",
     "ZeRO-3 weight all-gather": "zero3", "stage shift (forward, backward)": "shift", "1F1B stage shifts": "f1b",
+    "zero-bubble stage shifts": "shift",
     "ring K/V hops": "ring",
 }
 EXPOSED = ("ZeRO-1 parameter all-gather", "Megatron block all-reduces", "MLA latents' gradient all-reduces",
@@ -133,15 +138,16 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     sparse = 2 * fl.layer_matmul_params(cfg, True) / t + attn if moe else dense
     tokens = ru.layer_rows * ru.tl  # per layer run
     n_moe_runs = (ru.moe_fwd, ru.moe_bwd, ru.moe_redo)
-    f1b_redo = ru.bwd if ru.f1b else 0.0  # 1F1B runs each stage's forward again for its backward
+    again = ru.f1b or ru.zb  # 1F1B and B of the zero-bubble grids run each stage's forward again for its backward
+    f1b_redo = ru.bwd if again else 0.0
     fwd_runs = ru.fwd - f1b_redo
 
     def layer(runs, moe_runs):
         return tokens * ((runs - moe_runs) * dense + moe_runs * sparse)
 
-    fwd = layer(fwd_runs, n_moe_runs[0] - (n_moe_runs[1] if ru.f1b else 0))
+    fwd = layer(fwd_runs, n_moe_runs[0] - (n_moe_runs[1] if again else 0))
     bwd = 2 * layer(ru.bwd, n_moe_runs[1])
-    redo = (layer(f1b_redo, n_moe_runs[1] if ru.f1b else 0) + recompute_share * layer(ru.redo, n_moe_runs[2]))
+    redo = (layer(f1b_redo, n_moe_runs[1] if again else 0) + recompute_share * layer(ru.redo, n_moe_runs[2]))
     vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple  # a device's padded vocabulary slice
     head_tokens = ru.k * ru.rows * ru.tl  # the last stage's, once per microbatch (under 1F1B too: not in the bubble)
     head = 6 * m.d_model * vocab * head_tokens
@@ -155,6 +161,14 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     executed = fwd + bwd + redo + head
     recompute = redo
     bubble = max(0.0, executed - recompute - ideal)
+    if ru.zb:  # the grid runs no pass on zeros: its stages wait for each other (zero_bubble.stretch) with the
+        # passes' real lengths, in a chunk's forwards: F 1, W its matmuls' weight gradients (w, a forward's
+        # matmuls), B the chunk's forward again, the remat policy's share and the rest of the backward (2 - w)
+        from jaxpar.layers import zero_bubble as zb
+
+        w = 1 - attn / dense
+        costs = {"F": 1.0, "B": 1.0 + recompute_share + (2 - w), "W": w}
+        bubble += (zb.stretch(cfg.parallel.pipeline_schedule, s_, ru.microbatches, costs) - 1) * (fwd + bwd + redo)
     return Flops(model=model, recompute=recompute, bubble=bubble, overhead=max(0.0, ideal - model),
                  forward=fwd, attention_fwd=tokens * attn * fwd_runs, backward=(bwd + redo) / ru.k)
 

@@ -18,13 +18,18 @@ from jaxpar.plan import CLUSTERS, GIB, Planner, main, meshes, options
 
 TINY = ["model.style=llama", "model.n_layers=4", "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=4",
         "model.seq_len=64", "model.vocab_size=512", "train.batch_size=16", "model.remat=full"]
-LAYOUTS = [  # every strategy alone and combined on 8 devices: 12 layouts, and all five axes on 32 (FIVE_AXES)
+LAYOUTS = [  # every strategy alone and combined on 8 devices: 16 layouts, and all five axes on 32 (FIVE_AXES)
     ("gpt", dict(data=8, zero=1)), ("gpt", dict(data=8, zero=3, grad_accum=2)), ("gpt", dict(data=2, tensor=4)),
     ("gpt", dict(data=2, tensor=4, megatron_sp=True)), ("gpt", dict(data=4, pipe=2, microbatches=4)),
     ("gpt", dict(data=2, pipe=2, pipeline_repeats=2, tensor=2, microbatches=4)), ("moe", dict(data=2, expert=4)),
     ("gpt", dict(data=2, seq=4, seq_attention="ring")), ("gpt", dict(data=2, seq=4, seq_attention="ulysses")),
     ("gpt", dict(data=2, pipe=2, tensor=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
     ("moe", dict(expert=2, seq=2, tensor=2, zero=1)), ("moe", dict(data=1, pipe=2, expert=2, tensor=2, microbatches=2)),
+    # the zero-bubble grids: their buffers, B's taps held until W, and every branch of every slot in XLA:CPU's count
+    ("gpt", dict(data=2, pipe=2, tensor=2, zero=1, microbatches=4, pipeline_schedule="zb_h1")),
+    ("gpt", dict(data=2, pipe=4, microbatches=8, pipeline_schedule="zb_h1")),
+    ("gpt", dict(data=4, pipe=2, pipeline_repeats=2, microbatches=4, pipeline_schedule="zb_v")),
+    ("moe", dict(pipe=2, expert=2, tensor=2, microbatches=4, pipeline_schedule="zb_h1")),
 ]
 FIVE = dict(data=2, pipe=2, expert=2, seq=2, tensor=2, microbatches=2)
 FIVE_AXES = [("gpt", dict(FIVE, seq_attention="ring")),
@@ -380,6 +385,34 @@ def test_time_model_terms_and_overlaps():
     assert fast.estimate(est.overrides).step_seconds < est.step_seconds
     with pytest.raises(KeyError, match="no overlap rule"):
         overlap_class("a new collective")
+
+
+def test_zero_bubble_schedules_in_the_time_and_memory_models(capsys):
+    """Megatron's 39.1B row (TP 8, PP 2, M = 48, remat none) under 1F1B and ZB-H1: the grid's bubble is
+    (S-1)/(3M+S-1), ZB-H1's bubble term is below 1F1B's (its Ws fill the cool-down), and it holds more (each
+    B's taps until its W): the trade the docs describe. The planner tries the schedules it is given
+    (``--schedules``); an unknown one is one error line."""
+    planner, est, _ = megatron_row(*MEGATRON[4])
+    base = {**est.overrides, "model.remat": "none", "parallel.pipeline_repeats": 1}
+    f1b = planner.estimate({**base, "parallel.pipeline_schedule": "1f1b"})
+    zb = planner.estimate({**base, "parallel.pipeline_schedule": "zb_h1"})
+    s_, m_ = 2, 48
+    assert 1 - 1 / zb.bubble == pytest.approx((s_ - 1) / (3 * m_ + s_ - 1))
+    assert 0 < zb.budget["bubble"] < f1b.budget["bubble"]
+    assert zb.memory["activations"] > f1b.memory["activations"]
+    for k in ("compute", "comm data"):  # the same model flops and gradient reductions
+        assert zb.budget[k] == pytest.approx(f1b.budget[k], rel=1e-6), k
+    # the layers' tensor collectives: 1F1B's lock-step iterations run them in its bubble too (on zeros), a grid's
+    # idle slots do not: 3M layer passes (F, B's forward again, B) against 1F1B's (M + 2S - 2) + 2 (M + S - 1)
+    ratio = (3 * m_) / ((m_ + 2 * s_ - 2) + 2 * (m_ + s_ - 1))
+    assert zb.budget["comm tensor"] < f1b.budget["comm tensor"]
+    assert zb.budget["comm tensor"] == pytest.approx(ratio * f1b.budget["comm tensor"], rel=0.02)
+    cfg, _ = layout("gpt", {})
+    ok, _ = Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu", schedules=("1f1b", "zb_h1", "zb_v")).plan(expand=100)
+    tried = {e.overrides.get("parallel.pipeline_schedule") for e in ok}
+    assert {"zb_h1", "zb_v"} <= tried, tried
+    assert main(["--cluster", "cpu", "--schedules", "1f1b,zb", "model.n_layers=4"]) == 2
+    assert capsys.readouterr().err == "error: --schedules 1f1b,zb: choose from gpipe, 1f1b, zb_h1, zb_v\n"
 
 
 def test_explain_and_calibrate(tmp_path, capsys):

@@ -233,14 +233,51 @@ def test_the_run_log_line_and_bubble():
     assert "ZB-V" in lines[1] and "51 slots of one pass of a chunk" in lines[1], lines
 
 
-def test_the_communication_model_says_it_does_not_cover_it():
-    """jaxpar.comm (and with it the planner's time model) covers gpipe and 1f1b: for zb_h1 a ConfigError naming
-    the key (one error line from `python -m jaxpar.plan --calibrate` on a zb_h1 run), never numbers of another
-    schedule."""
-    from jaxpar import comm
-    from jaxpar.config import ConfigError
+def test_stretch_with_the_passes_real_lengths():
+    """With equal passes the stretch is the grid's (1 / (1 - idle)); with B twice F and W (jaxpar's B runs the
+    chunk's forward again), ZB-H1 at S = 2, M = 2 by hand: stage 1 runs F0 [1, 2], B0 [2, 4], F1 [4, 5], B1 [5, 7],
+    W0 [7, 8], W1 [8, 9]; stage 0 F0 [0, 1], F1 [1, 2], B0 [4, 6] (after stage 1's B0), W0 [6, 7], B1 [7, 9],
+    W1 [9, 10]: 10 over a stage's busy 8."""
+    from jaxpar.layers.zero_bubble import stretch
 
-    cfg = config("gpt2", parallel__pipe=2, parallel__pipeline_schedule="zb_h1")
-    sizes = {"data": 1, "tensor": 1, "pipe": 2, "expert": 1, "seq": 1}
-    with pytest.raises(ConfigError, match="parallel.pipeline_schedule=zb_h1: the communication and time models"):
-        comm.step_runs(cfg, sizes)
+    for kind, s_, m_ in (("zb_h1", 4, 8), ("zb_h1", 3, 7), ("zb_v", 4, 8), ("zb_v", 2, 6)):
+        idle = idle_fraction(schedule_zero_bubble(kind, s_, m_))
+        assert abs(stretch(kind, s_, m_, {"F": 1, "B": 1, "W": 1}) - 1 / (1 - idle)) < 1e-12
+    assert stretch("zb_h1", 2, 2, {"F": 1, "B": 2, "W": 1}) == 10 / 8
+    # a longer B stretches more, never less than the equal passes' grid
+    assert stretch("zb_h1", 4, 8, {"F": 1, "B": 3, "W": 1}) > stretch("zb_h1", 4, 8, {"F": 1, "B": 1, "W": 1})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_communication_model_counts_what_each_device_runs(kind):
+    """jaxpar.comm's GPU / TPU flavour of a zero-bubble step (only the branch a device takes runs): each device
+    runs M R forwards of a chunk and M R Bs (each its chunk's forward again and its backward), and one
+    collective-permute per slot and direction with a sender, counted here from the grid (a pass sends when its
+    neighbouring chunk sits on another device); XLA:CPU's static count (every branch in every slot) is held to
+    the compiled program in tests/test_comm.py."""
+    from jaxpar import comm
+
+    s_, m_, layers = 4, 8, 8
+    r_ = 1 if kind == "zb_h1" else 2
+    cfg = config("gpt2", model__n_layers=layers, parallel__pipe=s_, parallel__microbatches=m_, parallel__data=2,
+                 parallel__pipeline_schedule=kind, parallel__pipeline_repeats=r_)
+    sizes = {"data": 2, "tensor": 1, "pipe": s_, "expert": 1, "seq": 1}
+    ru = comm.step_runs(cfg, sizes, "gpu")
+    per_chunk = layers // (s_ * r_)
+    assert (ru.fwd, ru.bwd, ru.redo) == (2 * m_ * r_ * per_chunk, m_ * r_ * per_chunk, 0)
+    grid = schedule_zero_bubble(kind, s_, m_)
+    n = s_ * r_
+    dev = [c if c < s_ else 2 * s_ - 1 - c for c in range(n)]
+    sends = 0
+    for t in range(len(grid[0])):
+        moves = set()
+        for s in range(s_):
+            for p, m, r in grid[s][t]:
+                c = s if r == 0 else 2 * s_ - 1 - s
+                to = c + 1 if p == "F" else c - 1 if p == "B" else -1
+                if 0 <= to < n and dev[to] != s:
+                    moves.add((p, dev[to] - s))
+        sends += len(moves)
+    assert ru.sends == sends
+    terms = [x for x in comm.traffic(cfg, sizes, [], platform="gpu") if x.axes == ("pipe",)]
+    assert [x.count for x in terms] == [sends]

@@ -29,6 +29,8 @@ executor's tables and the executor that follows them, together.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,6 +59,7 @@ def needs(op: Op, n_chunks: int) -> list[Op]:
     return [("B", m, c)]
 
 
+@functools.lru_cache(maxsize=256)  # (the planner asks for the same S and M many times; callers do not mutate it)
 def orders(kind: str, stages: int, microbatches: int) -> list[list[Op]]:
     """Per stage, its passes in the order it runs them (module docstring)."""
     _check(kind, stages, microbatches)
@@ -132,6 +135,7 @@ def time_orders(stage_orders: list[list[Op]], n_chunks: int) -> list[dict[Op, in
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def schedule_zero_bubble(kind: str, stages: int, microbatches: int) -> list[list[tuple[Op, ...]]]:
     """``grid[s][t]``: the passes of stage s in slot t, ``(("F" | "B" | "W", m, r),)`` or ``()`` (idle),
     r the chunk's index among the stage's (0, or for ``zb_v`` 1 for the way back up): the form of
@@ -162,6 +166,36 @@ def describe(kind: str, stages: int, microbatches: int, log) -> float:
 def idle_fraction(grid) -> float:
     """The share of the stages' slots with no pass."""
     return sum(not cell for row in grid for cell in row) / sum(len(row) for row in grid)
+
+
+def stretch(kind: str, stages: int, microbatches: int, costs: dict) -> float:
+    """The step's time over a stage's busy time when the passes take ``costs`` (``{"F": ..., "B": ...,
+    "W": ...}``, any unit) rather than a slot each: each stage runs its passes in the grid's order, a pass as
+    soon as its stage is free and the passes it needs (:func:`needs`) have ended (a send waits for its sender
+    only: the slots' collective-permutes pair a sender with its receiver, and a device with nothing to
+    receive does not wait). Every stage runs the same passes, so its busy time is the same; 1 + the
+    bubble's share of the busy time."""
+    return _stretch(kind, stages, microbatches, tuple(sorted(costs.items())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stretch(kind: str, stages: int, microbatches: int, cost_items: tuple) -> float:
+    costs = dict(cost_items)
+    n = chunks(kind, stages)
+    stage_orders = [[op for _, op in sorted((t, op) for op, t in row.items())]
+                    for row in time_orders(orders(kind, stages, microbatches), n)]
+    end: dict = {}
+    free = [0.0] * stages
+    pos = [0] * stages
+    left = sum(map(len, stage_orders))
+    while left:
+        for s, order in enumerate(stage_orders):
+            while pos[s] < len(order) and all(x in end for x in needs(order[pos[s]], n)):
+                op = order[pos[s]]
+                end[op] = max([free[s]] + [end[x] for x in needs(op, n)]) + costs[op[0]]
+                free[s], pos[s], left = end[op], pos[s] + 1, left - 1
+    busy = sum(costs[op[0]] for op in stage_orders[0])
+    return max(free) / busy
 
 
 def in_flight(grid) -> list[int]:
@@ -211,6 +245,7 @@ def _allocate(spans: dict) -> tuple[dict, int]:
     return out, max(n, 1)
 
 
+@functools.lru_cache(maxsize=256)
 def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False) -> dict:
     """The executor's program: per slot t and device d (``[T, S]`` int arrays) the pass (``op``: IDLE, FWD,
     BWD, WGT), its microbatch, its chunk's index on the device (``loc``), whether it is the model's first or
@@ -432,6 +467,7 @@ def _deliver(c: dict, out, a: dict, row: dict, tab: dict, s) -> None:
             c[buf] = constrain(c[buf], (None, *ACT))
 
 
+@functools.lru_cache(maxsize=256)
 def _embed_chunk(kind: str, stages: int, microbatches: int) -> int:
     """Microbatches whose first-chunk input gradients the first device keeps before its W takes the embedding's
     weight gradient from them: the largest divisor C of M up to 2S (:func:`~jaxpar.layers.pipeline.embed_chunk`)
