@@ -87,14 +87,12 @@ class Term:
     result_bytes: float
     what: str
     group: int = 1
+    label: str = ""  # the axes as one string (``data+expert``), :func:`_label`
 
     @property
     def wire_bytes(self) -> float:
         return self.count * wire_bytes(self.kind, self.result_bytes, self.group)
 
-    @property
-    def label(self) -> str:
-        return _label(self.axes)
 
 
 @dataclass
@@ -292,10 +290,14 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     head_runs, lookup_runs = ru.head, ru.lookup
     terms: list[Term] = []
 
+    spans: dict[tuple, tuple[tuple, int, str]] = {}  # axes -> (those of more than one device, their devices, label)
+
     def add(kind, axes, count, result, what):
-        axes = big(axes)
+        if axes not in spans:
+            spans[axes] = (big(axes), math.prod(sizes[a] for a in big(axes)), _label(big(axes)))
+        axes, group, label = spans[axes]
         if axes and count and result:
-            terms.append(Term(kind, axes, count, result, what, math.prod(sizes[a] for a in axes)))
+            terms.append(Term(kind, axes, count, result, what, group, label))
 
     # -- gradients (data parallelism, ZeRO) --------------------------------------------------------
     tied = m.tie_embeddings

@@ -71,6 +71,7 @@ it, so that the documented model and the code are read together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import shlex
@@ -136,6 +137,14 @@ def _factorizations(n: int, k: int):
             yield (d, *rest)
 
 
+@functools.lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n``, ascending (the planner's microbatch and accumulation counts: a scan of every
+    count up to the batch was a sixth of a large plan's time)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
+
+
 def meshes(n: int, moe: bool = False):
     """Every ``parallel.*`` axis size set for ``n`` devices (``expert`` only for a MoE model)."""
     for sizes in _factorizations(n, len(AXES)):
@@ -191,8 +200,7 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
             if s_ == 1:
                 return [0]
             rows = batch // k
-            ms = [m for m in range(s_, rows + 1)
-                  if rows % m == 0 and (rows // m) % dp == 0 and (r_ == 1 or m % s_ == 0)]
+            ms = [m for m in divisors(rows) if m >= s_ and (rows // m) % dp == 0 and (r_ == 1 or m % s_ == 0)]
             if not ms or first:
                 return ms[:1] + ms[-1:][: len(ms) > 1]
             return sorted({ms[0], ms[-1], *(m for m in ms if m % s_ == 0 and (m // s_) & (m // s_ - 1) == 0)})
@@ -268,8 +276,11 @@ class Planner:
             leaves = [comm.Leaf(tuple(a.shape), tuple(nm), rules.params.spec(nm, a.shape),
                                 rules.opt.spec(nm, a.shape), rules.compute.spec(nm, a.shape),
                                 stage=bool(nm) and nm[0] == "layers") for a, nm in zip(shapes, names)]
-            local = {layout: [(math.prod(x.shape), comm._shards(getattr(x, layout), sizes), x.stage,
-                               "experts" in x.names) for x in leaves] for layout in ("params", "opt", "compute")}
+            # elements per device in each layout: of every leaf, the layer stack's, a MoE layer's routed experts'
+            local = {(layout, stage_only, experts): sum(
+                math.prod(x.shape) / comm._shards(getattr(x, layout), sizes) for x in leaves
+                if (x.stage or not stage_only) and ("experts" in x.names or not experts))
+                for layout in ("params", "opt", "compute") for stage_only in (False, True) for experts in (False, True)}
             if len(self._layouts) > 20000:
                 self._layouts.clear()
             self._layouts[key] = (leaves, local)
@@ -294,8 +305,7 @@ class Planner:
         def per_device(layout: str, nbytes: float, stage_only: bool = False, experts: bool = False) -> float:
             """Bytes per device of the leaves (``stage_only``: the layer stack's; ``experts``: a MoE layer's
             routed experts only) in ``layout``, at ``nbytes`` per element."""
-            return sum(n * nbytes / shards for n, shards, stage, expert in local[layout]
-                       if (stage or not stage_only) and (expert or not experts))
+            return nbytes * local[(layout, stage_only, experts)]
 
         mem["params"] = per_device("params", pb)
         mem["opt"] = per_device("opt", 2 * 4)
@@ -539,7 +549,7 @@ class Planner:
         limit = self.cluster.hbm_gib * GIB
         dp = base["parallel.data"] * base["parallel.expert"]
         batch = self.cfg.train.batch_size
-        ks = [k for k in range(1, batch // dp + 1) if batch % k == 0 and (batch // k) % dp == 0]
+        ks = [k for k in divisors(batch) if (batch // k) % dp == 0]
         tried: dict[int, tuple[list, bool]] = {}
 
         def at(k: int) -> tuple[list, bool]:

@@ -122,7 +122,12 @@ def explain(planner, est, rank: int = 1) -> str:
         lines.append(f"  {label:16s} {b / GIB:9.2f} GiB  {link} at {gbs:g} GB/s  "
                      f"{est.budget.get(f'comm {label}', 0.0):.3f} s exposed")
     if sizes["pipe"] > 1:
-        lines.append(f"bubble: {100 * (1 - 1 / est.bubble):.1f}% of a pipeline's iterations idle ((S-1)/(M R+S-1))")
+        if est.overrides.get("parallel.pipeline_schedule") in ("zb_h1", "zb_v"):
+            lines.append(f"bubble: {100 * (1 - 1 / est.bubble):.1f}% of the zero-bubble grid's slots idle (passes "
+                         f"taken as equal; the time term below times them with B running the chunk's forward again)")
+        else:
+            lines.append(f"bubble: {100 * (1 - 1 / est.bubble):.1f}% of a pipeline's iterations idle "
+                         "((S-1)/(M R+S-1))")
     lines.append("time by term (s per step, share):")
     step = est.budget["step"]
     for k, v in est.budget.items():

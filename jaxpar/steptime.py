@@ -202,8 +202,11 @@ def step_time(cfg, sizes: dict, terms: list, ru, hw: Hardware, nodes: int, *, re
     # the windows the overlapped collectives hide behind
     fwd_s, bwd_s = f.forward / rate, f.backward * ru.k / rate
     by: dict[tuple[str, str], float] = {}
+    links: dict[str, tuple[float, float]] = {}
     for term in terms:
-        gbs, us = bandwidth(hw, term.label, sizes, nodes)
+        if term.label not in links:
+            links[term.label] = bandwidth(hw, term.label, sizes, nodes)
+        gbs, us = links[term.label]
         key = (overlap_class(term.what), term.label)
         by[key] = by.get(key, 0.0) + term.wire_bytes / (gbs * 1e9) + term.count * us * 1e-6
     layer_runs = max(1.0, ru.fwd + ru.bwd)

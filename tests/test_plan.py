@@ -407,6 +407,10 @@ def test_zero_bubble_schedules_in_the_time_and_memory_models(capsys):
     ratio = (3 * m_) / ((m_ + 2 * s_ - 2) + 2 * (m_ + s_ - 1))
     assert zb.budget["comm tensor"] < f1b.budget["comm tensor"]
     assert zb.budget["comm tensor"] == pytest.approx(ratio * f1b.budget["comm tensor"], rel=0.02)
+    from jaxpar.plan_report import explain
+
+    text = explain(planner, zb)
+    assert f"bubble: {100 * (s_ - 1) / (3 * m_ + s_ - 1):.1f}% of the zero-bubble grid's slots idle" in text, text
     cfg, _ = layout("gpt", {})
     ok, _ = Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu", schedules=("1f1b", "zb_h1", "zb_v")).plan(expand=100)
     tried = {e.overrides.get("parallel.pipeline_schedule") for e in ok}
