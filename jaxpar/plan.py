@@ -486,7 +486,7 @@ class Planner:
             act = ((min(m_ * r_, 2 * r_ * s_ - 1) + embed_chunk(s_, m_, r_)) * micro * d * ab
                    + max(layers // r_ * micro * stored, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
-            act = self._zero_bubble_held(cfg, sizes, micro, ab, wb) + (
+            act = self._zero_bubble_held(cfg, sizes, micro, ab) + (
                 max(layers // par.pipeline_repeats * micro * stored, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
@@ -506,13 +506,14 @@ class Planner:
                      "working": micro * working * wb}
         return act, logits, apart, per_token
 
-    def _zero_bubble_held(self, cfg: Config, sizes: dict, micro: float, ab: int, wb: int) -> float:
+    def _zero_bubble_held(self, cfg: Config, sizes: dict, micro: float, ab: int) -> float:
         """What a zero-bubble grid's device holds between its passes (:func:`jaxpar.layers.zero_bubble.tables`'
         buffers, at their sizes for this S and M): chunk inputs (F to B), output cotangents (arrival to B) and
         the first chunk's input gradients kept for the embedding's weight gradient (C microbatches'), each a
         microbatch's ``[rows, T, d]``; and per microbatch between its B and its W every deferred matmul's input
         and output cotangent (:mod:`jaxpar.layers.wgrad`: the attention's and a dense MLP's projections; a MoE
-        layer's experts and every kernel under Megatron-SP take their gradients in B), in the working width."""
+        layer's experts and every kernel under Megatron-SP take their gradients in B), in the compute dtype (the
+        taps are the matmuls' operands and cotangents as B makes them)."""
         from jaxpar import comm
         from jaxpar.layers import zero_bubble as zb
 
@@ -538,7 +539,7 @@ class Planner:
             per = lpg * (attn + mlp)
         # the taps of n["w"] microbatches in their buffer, and three more in flight (measured on XLA:CPU's
         # programs: B's output, the buffer slot selected before it is written, W's read of a slot)
-        return held + (n["w"] + 3) * micro * per * wb
+        return held + (n["w"] + 3) * micro * per * ab
 
     def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
         """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit
