@@ -48,7 +48,9 @@ Rematerialisation repeats the forward collectives that the backward's recompute 
 attention-out all-reduce unless ``out_proj`` is kept (the MLP-down one produces the layer's output,
 which nothing recomputed reads), the column layers' input all-gathers under Megatron-SP, ZeRO-3's
 weight gathers inside the layer scan, the K/V exchanges (and Ulysses' output all-to-all unless
-``attention`` is kept), and the expert all-to-alls, under any policy but ``none``.
+``attention`` is kept), and the expert all-to-alls, under any policy but ``none``; not with 1F1B's
+one-layer chunks, whose recompute for the backward already runs the layer's forward just before (no scan
+between them: XLA merges the two, and with them their collectives and flops).
 
 **XLA:CPU** lacks the collective optimisation passes that XLA's GPU and TPU compilers run after
 SPMD partitioning (``ReduceScatterCreator``, ``AllReduceFolder``, ``AllReduceReassociate``,
@@ -211,7 +213,9 @@ def step_runs(cfg, sizes: dict, platform: str = "gpu") -> Runs:
     if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the chunk for its backward
         bwd_runs = k * f1b_steady * lpg
         fwd_runs = k * f1b_iters * lpg + bwd_runs
-    redo_runs = bwd_runs if m.remat != "none" else 0
+    # remat's recompute of a layer in the backward; not with 1F1B's one-layer chunks: no scan separates it from the
+    # chunk's own recompute before it, and XLA merges the two (jax.checkpoint's prevent_cse=False)
+    redo_runs = bwd_runs if m.remat != "none" and not (f1b and lpg == 1) else 0
     # a MoE model's MoE-layer runs: one layer in `every` of the stack (all of it but the dense first layers)
     moe_runs = ((lambda runs: runs // every) if pipelined else
                 (lambda runs: runs * cfg.moe.groups(m.n_layers) // m.n_layers) if moe_model else (lambda runs: 0))

@@ -54,6 +54,12 @@ LAYOUTS = {
     "pipe-1f1b-interleaved": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
                                             parallel__pipeline_schedule="1f1b", parallel__pipeline_repeats=2,
                                             parallel__microbatches=4)),
+    # one-layer chunks under remat: the layer's recompute is the chunk's (XLA merges them), with Megatron-SP's
+    # all-gathers and the K/V all-gathers of seq
+    "pipe-1f1b-one-layer-remat-sp-seq": ("llama", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2,
+                                                      parallel__megatron_sp=True, parallel__seq_attention="all_gather",
+                                                      parallel__pipeline_schedule="1f1b", parallel__microbatches=4,
+                                                      model__remat="full")),
     # M > 2S: the embedding's weight gradients taken every C = 2S microbatches in the loop (embed_chunk), tied
     # (the table's head part reduced apart) and untied
     "pipe-1f1b-embed-chunks": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2,
