@@ -36,17 +36,15 @@ def padded_vocab(vocab_size: int, multiple: int, tensor: int = 1) -> int:
 
 
 def padded_init(init, real_rows: int, axis: int = 0):
-    """Initialise ``real_rows`` along ``axis`` with ``init`` and zero the padding up to the requested shape.
-
-    The whole padded shape is drawn and the padding zeroed (along axis 0 the real rows get the values drawing
-    them alone would give: the generators draw in row-major order), so the program holds no pad of a sharded
-    axis, whose fused initialisation XLA:CPU's LLVM IR emitters rounded differently per layout; ``init`` must
-    not read the shape for its scale (a fan-in scaling would see the padded one)."""
+    """Initialise ``real_rows`` along ``axis`` with ``init`` and zero-pad to the requested shape."""
 
     def f(key, shape, dtype=jnp.float32):
-        keep = jnp.arange(shape[axis]) < real_rows
-        keep = keep.reshape([-1 if a == axis else 1 for a in range(len(shape))])
-        return jnp.where(keep, init(key, tuple(shape), dtype), jnp.zeros((), dtype))
+        real = list(shape)
+        real[axis] = real_rows
+        x = init(key, tuple(real), dtype)
+        pad = [(0, 0)] * len(shape)
+        pad[axis] = (0, shape[axis] - real_rows)
+        return jnp.pad(x, pad)
 
     return f
 
