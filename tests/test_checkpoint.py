@@ -100,7 +100,8 @@ def test_nonfinite_step_is_skipped_bit_exactly():
     state, _ = _steps(t, state, bs[2:])
     assert int(state["step"]) == 3 and int(state["skipped"]) == 1
 
-    clean = trainer(config("gpt2", parallel__data=2, parallel__zero=1))
+    # the same program, its injected step never reached: bit-exact comparisons hold within one program
+    clean = trainer(config("gpt2", parallel__data=2, parallel__zero=1, debug__nan_steps="99"))
     ref, _ = _steps(clean, clean.init_state(), [bs[0], bs[2]])
     for x, y in zip(jax.tree.leaves(jax.device_get(state["params"])), jax.tree.leaves(jax.device_get(ref["params"]))):
         np.testing.assert_array_equal(x, y)
