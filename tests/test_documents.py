@@ -127,7 +127,9 @@ def test_weighted_loss_is_the_global_mean_over_trained_tokens():
     batch["weights"] = np.where(batch["segment_ids"] > 0, 1.0, 0.0).astype(np.float32)
     batch["weights"][: b // 2] *= rng.random((b // 2, cfg.model.seq_len)) < 0.25
     t1 = trainer(config("llama_gqa", **DOCS))
-    params = t1.init_state()["params"]
+    # weights 4x their initial scale: CE that varies from token to token, so the formulas below differ
+    # whatever the initialisation's draws (at the initial scale every token's CE is near log(vocab))
+    params = jax.tree.map(lambda x: 4 * x, jax.device_get(t1.init_state()["params"]))
     vocab = cfg.model.vocab_size
 
     def segment_logits(p):  # the packed rows through the 1-device model with their documents
@@ -146,7 +148,7 @@ def test_weighted_loss_is_the_global_mean_over_trained_tokens():
     want = float(np.sum(w * ce) / np.sum(w))
     shards = [slice(0, b // 2), slice(b // 2, b)]
     per_shard = float(np.mean([np.sum(w[s] * ce[s]) / np.sum(w[s]) for s in shards]))
-    assert abs(per_shard - want) > 1e-3 * want  # a mean of per-shard means would be visibly wrong
+    assert abs(per_shard - want) > 100 * 2e-6 * want  # a mean of per-shard means is far outside the tolerance
 
     def weighted(p):
         logits = segment_logits(p).astype(jnp.float32)
@@ -155,7 +157,7 @@ def test_weighted_loss_is_the_global_mean_over_trained_tokens():
 
     ref_grads = jax.device_get(jax.jit(jax.grad(weighted))(params))
     t = trainer(cfg)
-    loss, _, grads = jax.jit(t.grads)(t.init_state()["params"], t.place_batch(batch))
+    loss, _, grads = jax.jit(t.grads)(t.init_state(t.to_storage_order(params))["params"], t.place_batch(batch))
     assert rel_err(loss, want) <= 2e-6, (float(loss), want)
     assert_trees_close(jax.device_get(grads), ref_grads, 2e-5, "grads ")
 
@@ -317,7 +319,7 @@ def test_validation_loss_is_the_mean_over_trained_tokens():
     from jaxpar.metrics import EvalHook
 
     t = trainer(config("llama", **DOCS))
-    params = t.init_state()["params"]
+    params = jax.tree.map(lambda x: 4 * x, t.init_state()["params"])  # CE varying by token (as above)
     first, _ = packed_batch(t.cfg, seed=7, trained=0.2)
     second, _ = packed_batch(t.cfg, seed=8, trained=1.0)
     got = EvalHook(None, t, [first, second], 0).evaluate(params)

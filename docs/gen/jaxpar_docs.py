@@ -30,10 +30,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = 8
-# what the tests set (tests/conftest.py): 8 simulated devices, and XLA:CPU's backend optimisation off (the HLO
-# passes, and with them the collectives and buffer sizes, are unchanged)
+# what the tests set (tests/conftest.py): 8 simulated devices, XLA:CPU's backend optimisation and its MLIR fusion
+# emitters off (the HLO passes, and with them the collectives and buffer sizes, are unchanged)
 ENV = {"JAX_NUM_CPU_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu",
-       "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+       "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                    "--xla_cpu_use_fusion_emitters=false"}
 
 # The model of every concepts page: Llama-style, 2 layers, d_model 64, 8 heads, MLP 128, vocabulary 256,
 # 32-token sequences, 16 sequences per step, float32.

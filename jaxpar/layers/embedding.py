@@ -36,15 +36,18 @@ def padded_vocab(vocab_size: int, multiple: int, tensor: int = 1) -> int:
 
 
 def padded_init(init, real_rows: int, axis: int = 0):
-    """Initialise ``real_rows`` along ``axis`` with ``init`` and zero-pad to the requested shape."""
+    """Initialise ``real_rows`` along ``axis`` with ``init`` and zero the rest of the requested shape.
+
+    The whole padded shape is drawn and the padding zeroed, so the program holds no pad of a sharded axis,
+    whose fused initialisation XLA:CPU's LLVM IR emitters round differently per layout (the tests' compiler;
+    the drawn values are then the same on every mesh with either emitter). Along axis 0 the real rows get the
+    values that drawing them alone gives (the generators draw in row-major order); along another axis they
+    are other draws of the same distribution. ``init`` must not read the shape for its scale (a fan-in
+    scaling would see the padded one)."""
 
     def f(key, shape, dtype=jnp.float32):
-        real = list(shape)
-        real[axis] = real_rows
-        x = init(key, tuple(real), dtype)
-        pad = [(0, 0)] * len(shape)
-        pad[axis] = (0, shape[axis] - real_rows)
-        return jnp.pad(x, pad)
+        keep = (jnp.arange(shape[axis]) < real_rows).reshape([-1 if a == axis else 1 for a in range(len(shape))])
+        return jnp.where(keep, init(key, tuple(shape), dtype), jnp.zeros((), dtype))
 
     return f
 
