@@ -163,6 +163,7 @@ NONE_KEPT_FF = {"gelu": 6, "swiglu": 6, "geglu": 8, "clamped_swiglu": 9}
 
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_v")
+SEQ_ATTENTION = ("ring", "ulysses", "all_gather")  # context_parallel.STRATEGIES, as the planner tries them
 
 
 def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase: str = "all",
@@ -173,7 +174,9 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     ``pipeline_repeats`` R (divisors of the stage's layers up to 4) and, for each k, the microbatch counts M
     from S up to one sequence per microbatch (S 2^i and the largest). ``phase="first"``: the few a first pass
     over every mesh tries (every ZeRO stage, remat none and full, 1F1B, R = 1 and the largest, the smallest and
-    largest M). ``schedules``: the pipeline schedules tried (``zb_h1`` with R = 1, ``zb_v`` with R = 2)."""
+    largest M). ``schedules``: the pipeline schedules tried (``zb_h1`` with R = 1, ``zb_v`` with R = 2). With
+    ``seq`` > 1, each context-parallel attention (``parallel.seq_attention``: ring, ulysses, all_gather) in
+    both phases (a model whose heads ``seq`` does not split fails Ulysses' check)."""
     dp = sizes["data"] * sizes["expert"]
     s_ = sizes["pipe"]
     first = phase == "first"
@@ -189,9 +192,12 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     runs = [(sched, r_) for sched in scheds for r_ in
             (repeats if sched in ("gpipe", "1f1b") else (1,) if sched == "zb_h1" else (2,) if per_stage % 2 == 0
              else ())]
-    for zero, remat, sp, (sched, r_) in itertools.product(zeros, remats, sps, runs):
+    attns = SEQ_ATTENTION if sizes["seq"] > 1 else (None,)
+    for zero, remat, sp, (sched, r_), attn in itertools.product(zeros, remats, sps, runs, attns):
         base = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": zero, "model.remat": remat,
                 "parallel.megatron_sp": sp}
+        if attn is not None:
+            base["parallel.seq_attention"] = attn
         if s_ > 1:
             base.update({"parallel.pipeline_schedule": sched, "parallel.pipeline_repeats": r_})
 

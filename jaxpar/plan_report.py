@@ -155,6 +155,8 @@ def describe(ov: dict) -> str:
     extra = [f"zero={ov.get('parallel.zero', 0)}", f"remat={ov.get('model.remat', 'none')}"]
     if ov.get("parallel.megatron_sp"):
         extra.append("megatron_sp")
+    if ov.get("parallel.seq", 1) > 1 and "parallel.seq_attention" in ov:
+        extra.append(ov["parallel.seq_attention"])
     if ov.get("train.grad_accum", 1) > 1:
         extra.append(f"k={ov['train.grad_accum']}")
     if ov.get("parallel.microbatches"):
@@ -183,6 +185,8 @@ def layout_of(cfg, devices: int | None = None) -> dict:
     if sizes["pipe"] > 1:
         ov.update({"parallel.pipeline_schedule": par.pipeline_schedule,
                    "parallel.pipeline_repeats": par.pipeline_repeats})
+    if sizes["seq"] > 1:
+        ov["parallel.seq_attention"] = par.seq_attention
     return ov
 
 

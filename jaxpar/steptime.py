@@ -9,7 +9,9 @@ run by ``--calibrate``).
 =============  ==========================================================================================
 ``compute``    the model flops (:mod:`jaxpar.flops`, the numerator of MFU) at ``efficiency`` x peak
 ``recompute``  the forwards the backward runs again: the remat policy's share of each layer
-               (``full``: all of it) and 1F1B's recompute of each stage for its backward
+               (``full``: all of it), 1F1B's recompute of each stage for its backward, and ring
+               attention's blocks, each computed again in its backward (whatever the policy: the blocks'
+               custom derivative keeps only their inputs)
 ``bubble``     what a pipeline's lock-step iterations compute beyond the model: the warm-up and
                cool-down iterations (on zeros; in the zero-bubble grids, which run no pass on zeros, the
                stages' waits for each other with the passes' real lengths: F a chunk's forward, B its
@@ -134,6 +136,11 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     # whole context (causal: T/2 keys on average; the xla kernel computes the whole square)
     attn_model = m.seq_len * m.n_heads / t * (m.head_dim + dv)
     attn = attn_model * (2 if kernel == "xla" else 1)
+    n_seq = sizes.get("seq", 1)
+    ring = n_seq > 1 and cfg.parallel.seq_attention == "ring"
+    if ring:  # XLA blocks whatever the kernel: zig-zag computes the causal half and its diagonal blocks whole
+        # ((1 + 1/N) x the causal half on every device); without it each lock-step hop waits for a whole block
+        attn = attn_model * ((1 + 1 / n_seq) if cfg.parallel.seq_zigzag else 2)
     dense = 2 * fl.layer_matmul_params(cfg, False) / t + attn
     sparse = 2 * fl.layer_matmul_params(cfg, True) / t + attn if moe else dense
     tokens = ru.layer_rows * ru.tl  # per layer run
@@ -148,6 +155,8 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     fwd = layer(fwd_runs, n_moe_runs[0] - (n_moe_runs[1] if again else 0))
     bwd = 2 * layer(ru.bwd, n_moe_runs[1])
     redo = (layer(f1b_redo, n_moe_runs[1] if again else 0) + recompute_share * layer(ru.redo, n_moe_runs[2]))
+    ring_redo = tokens * attn * ru.bwd if ring else 0.0  # each backward computes its blocks' forward again
+    redo += ring_redo
     vocab = -(-m.vocab_size // (m.vocab_multiple * t)) * m.vocab_multiple  # a device's padded vocabulary slice
     head_tokens = ru.k * ru.rows * ru.tl  # the last stage's, once per microbatch (under 1F1B too: not in the bubble)
     head = 6 * m.d_model * vocab * head_tokens
@@ -167,7 +176,7 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
         from jaxpar.layers import zero_bubble as zb
 
         w = 1 - attn / dense
-        costs = {"F": 1.0, "B": 1.0 + recompute_share + (2 - w), "W": w}
+        costs = {"F": 1.0, "B": 1.0 + recompute_share + (2 - w) + (attn / dense if ring else 0.0), "W": w}
         bubble += (zb.stretch(cfg.parallel.pipeline_schedule, s_, ru.microbatches, costs) - 1) * (fwd + bwd + redo)
     return Flops(model=model, recompute=recompute, bubble=bubble, overhead=max(0.0, ideal - model),
                  forward=fwd, attention_fwd=tokens * attn * fwd_runs, backward=(bwd + redo) / ru.k)
@@ -217,8 +226,9 @@ def step_time(cfg, sizes: dict, terms: list, ru, hw: Hardware, nodes: int, *, re
             exposed = max(sec * ru.k / layer_runs, sec - (fwd_s + bwd_s))
         elif cls == "f1b":  # the forward shift behind the iteration's backward, and the reverse
             exposed = max(0.0, sec / 2 - bwd_s) + max(0.0, sec / 2 - fwd_s)
-        elif cls == "ring":  # behind the block's attention (forward, backward and recompute)
-            exposed = max(0.0, sec - 3 * f.attention_fwd / rate)
+        elif cls == "ring":  # behind the blocks' attention: forward, backward (twice the forward's flops) and
+            # the blocks' forward again in the backward
+            exposed = max(0.0, sec - 4 * f.attention_fwd / rate)
         else:
             exposed = sec
         out[f"comm {label}"] = out.get(f"comm {label}", 0.0) + exposed

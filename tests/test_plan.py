@@ -387,6 +387,46 @@ def test_time_model_terms_and_overlaps():
         overlap_class("a new collective")
 
 
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_ring_attention_recomputes_its_blocks_in_the_time_model(zigzag):
+    """Ring attention's blocks keep only their inputs and compute their forward again in the backward
+    (context_parallel._update), whatever the remat policy: under ``remat=none`` without a pipeline the
+    recompute term is exactly that, by hand: per device and layer, its tokens times the executed attention
+    forward, 2 (T/2) H (d_k + d_v) flops a token for the causal half, with zig-zag's diagonal blocks whole
+    (x (1 + 1/N)) or, without zig-zag, a whole block per lock-step hop (x 2). Other sequence layouts
+    recompute nothing."""
+    n, data = 4, 2
+    cfg, ov = layout("gpt", dict(data=data, seq=n, seq_attention="ring", seq_zigzag=zigzag), ["model.remat=none"])
+    planner = Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu")
+    est = planner.estimate(ov)
+    m = planner.config(ov).model.resolved()
+    t, b = m.seq_len, cfg.train.batch_size
+    per_token = 2 * (t / 2) * m.n_heads * (m.head_dim + (m.v_head_dim or m.head_dim))
+    want = (b / data) * (t / n) * m.n_layers * per_token * ((1 + 1 / n) if zigzag else 2)
+    hw = planner.cluster
+    assert est.budget["recompute"] * hw.peak_tflops * 1e12 * hw.efficiency == pytest.approx(want, rel=1e-9)
+    other = planner.estimate({**ov, "parallel.seq_attention": "ulysses"})
+    assert other.budget["recompute"] == 0.0
+
+
+def test_planner_chooses_the_context_parallel_attention():
+    """With seq > 1 the planner tries ring, Ulysses and the K/V all-gather on each layout and the table names
+    the one it keeps. 32k-token sequences on 8 GPUs: ring attention's blocks run as XLA blocks computed again in
+    their backward (a flash kernel runs the others' local attention), so on the first choice's mesh ring is
+    slower by its recompute and the first choice is not ring."""
+    from jaxpar.plan import table
+
+    p, b = best("configs/llama_1b.yaml", ["model.seq_len=32768", "train.batch_size=4", "train.grad_accum=1"],
+                "h100x8", 1)
+    assert b["seq"] > 1 and b["seq_attention"] in ("ulysses", "all_gather"), b
+    ok, _ = p.plan()
+    first = ok[0].overrides
+    same = {a: p.estimate({**first, "parallel.seq_attention": a}) for a in ("ring", "ulysses", "all_gather")}
+    assert same["ring"].budget["recompute"] > 0 == same["ulysses"].budget["recompute"]
+    assert same["ring"].step_seconds > ok[0].step_seconds
+    assert f"seq={b['seq']}" in table(ok[:1]) and b["seq_attention"] in table(ok[:1])
+
+
 def test_zero_bubble_schedules_in_the_time_and_memory_models(capsys):
     """Megatron's 39.1B row (TP 8, PP 2, M = 48, remat none) under 1F1B and ZB-H1: the grid's bubble is
     (S-1)/(3M+S-1), ZB-H1's bubble term is below 1F1B's (its Ws fill the cool-down), and it holds more (each
