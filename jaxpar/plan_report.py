@@ -109,7 +109,8 @@ def explain(planner, est, rank: int = 1) -> str:
                      "pipe": f"{m.n_layers} layers over {sizes['pipe']} stages"
                              + (f", {ov.get('parallel.pipeline_repeats', 1)} chunks each"
                                 if ov.get("parallel.pipeline_repeats", 1) > 1 else ""),
-                     "seq": f"{m.seq_len // sizes['seq']} tokens per device",
+                     "seq": f"{m.seq_len // sizes['seq']} tokens per device; "
+                            + SEQ_ATTENTION_HOW[cfg.parallel.seq_attention],
                      "tensor": f"{m.n_heads // sizes['tensor']} heads per device",
                      "expert": f"{cfg.moe.n_experts // sizes['expert']} experts per device"}.get(a, "")
             lines.append(f"  {a}={sizes[a]}: {SPLITS[a]} ({extra})")
@@ -147,6 +148,15 @@ def explain_plan(planner, ok: list) -> str:
         out.append(f"the first choice is {100 * (b.step_seconds / a.step_seconds - 1):.1f}% faster than the runner-up "
                    "by the model; the terms above say where")
     return "\n".join(out)
+
+
+# how each context-parallel attention (parallel.seq_attention) works and what it costs, for --explain
+SEQ_ATTENTION_HOW = {
+    "ring": "ring attention: K/V blocks passed round the ring behind each block's attention, every block computed "
+            "again in its backward (the recompute term)",
+    "ulysses": "Ulysses: all-to-alls trade the sequence split for a head split around the local attention",
+    "all_gather": "K/V all-gathered over seq for the local queries, their gradient reduce-scattered",
+}
 
 
 def describe(ov: dict) -> str:

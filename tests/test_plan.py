@@ -425,6 +425,10 @@ def test_planner_chooses_the_context_parallel_attention():
     assert same["ring"].budget["recompute"] > 0 == same["ulysses"].budget["recompute"]
     assert same["ring"].step_seconds > ok[0].step_seconds
     assert f"seq={b['seq']}" in table(ok[:1]) and b["seq_attention"] in table(ok[:1])
+    from jaxpar.plan_report import SEQ_ATTENTION_HOW, explain
+
+    assert SEQ_ATTENTION_HOW[b["seq_attention"]] in explain(p, ok[0])
+    assert "every block computed again in its backward" in explain(p, same["ring"])
 
 
 def test_zero_bubble_schedules_in_the_time_and_memory_models(capsys):
