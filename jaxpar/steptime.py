@@ -21,8 +21,9 @@ run by ``--calibrate``).
                run on that stage only, :mod:`jaxpar.layers.onstage`, but the step waits for them: the
                last stage's head is on every stage's critical path, against one S-th of it in the ideal)
 ``overhead``   flops the program runs that the model does not count: the masked half of causal
-               attention where the kernel computes the whole square (``xla``; flash kernels skip it)
-               and the padded vocabulary's columns
+               attention where the kernel computes the whole square (``xla``; flash kernels skip it;
+               under ``seq``, ring's XLA blocks and the K/V all-gather's shifted mask, on the device
+               that computes the most) and the padded vocabulary's columns
 ``memory``     elementwise work, bound by the HBM bandwidth: the activations each layer writes and reads
                (the bytes the planner's memory model keeps per token without remat, twice in a forward,
                four times in a backward), and AdamW's update (28 bytes per parameter of the optimizer's
@@ -141,6 +142,11 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     if ring:  # XLA blocks whatever the kernel: zig-zag computes the causal half and its diagonal blocks whole
         # ((1 + 1/N) x the causal half on every device); without it each lock-step hop waits for a whole block
         attn = attn_model * ((1 + 1 / n_seq) if cfg.parallel.seq_zigzag else 2)
+    elif n_seq > 1 and cfg.parallel.seq_attention == "all_gather":  # local queries over every key, the causal
+        # mask shifted by the device's offset: cuDNN takes it as a mask tensor and computes the whole [T/N, T]
+        # rows; Pallas' static masks skip the hidden blocks, and the last device (N - 1/2 of N/2 blocks' worth)
+        # sets the pace of the lock-step layers
+        attn = attn_model * ((2 - 1 / n_seq) if kernel == "pallas" else 2)
     dense = 2 * fl.layer_matmul_params(cfg, False) / t + attn
     sparse = 2 * fl.layer_matmul_params(cfg, True) / t + attn if moe else dense
     tokens = ru.layer_rows * ru.tl  # per layer run

@@ -412,18 +412,25 @@ def test_ring_attention_recomputes_its_blocks_in_the_time_model(zigzag):
 def test_planner_chooses_the_context_parallel_attention():
     """With seq > 1 the planner tries ring, Ulysses and the K/V all-gather on each layout and the table names
     the one it keeps. 32k-token sequences on 8 GPUs: ring attention's blocks run as XLA blocks computed again in
-    their backward (a flash kernel runs the others' local attention), so on the first choice's mesh ring is
-    slower by its recompute and the first choice is not ring."""
+    their backward, and the all-gather's shifted causal mask is a mask tensor to cuDNN, which computes each
+    device's whole [T/N, T] rows (twice the causal half, by hand); Ulysses runs cuDNN's causal kernel on whole
+    sequences of a head split: the first choice (DeepSpeed-Ulysses' case)."""
     from jaxpar.plan import table
 
     p, b = best("configs/llama_1b.yaml", ["model.seq_len=32768", "train.batch_size=4", "train.grad_accum=1"],
                 "h100x8", 1)
-    assert b["seq"] > 1 and b["seq_attention"] in ("ulysses", "all_gather"), b
+    assert b["seq"] > 1 and b["seq_attention"] == "ulysses", b
     ok, _ = p.plan()
     first = ok[0].overrides
     same = {a: p.estimate({**first, "parallel.seq_attention": a}) for a in ("ring", "ulysses", "all_gather")}
     assert same["ring"].budget["recompute"] > 0 == same["ulysses"].budget["recompute"]
     assert same["ring"].step_seconds > ok[0].step_seconds
+    m = p.config(first).model.resolved()
+    t, n, hw = m.seq_len, b["seq"], p.cluster
+    per_token = 2 * (t / 2) * m.n_heads / b["tensor"] * (m.head_dim + (m.v_head_dim or m.head_dim))
+    rows = p.cfg.train.batch_size / (b["data"] * b["expert"]) * (t / n)  # a device's tokens per step
+    extra = (same["all_gather"].budget["overhead"] - same["ulysses"].budget["overhead"]) * hw.peak_tflops * 1e12
+    assert extra * hw.efficiency == pytest.approx(3 * rows * m.n_layers * per_token, rel=1e-9)  # fwd + bwd
     assert f"seq={b['seq']}" in table(ok[:1]) and b["seq_attention"] in table(ok[:1])
     from jaxpar.plan_report import SEQ_ATTENTION_HOW, explain
 
