@@ -1,9 +1,9 @@
 """The planner's per-device memory against the compiled train step, by rematerialisation policy.
 
-    python benchmarks/plan_memory.py                              # every policy, the 12 layouts
+    python benchmarks/plan_memory.py                              # every policy, every layout
     python benchmarks/plan_memory.py --remat none save_dots
 
-For each ``model.remat`` policy, the 12 layouts of ``tests/test_plan.py`` (which holds them to 10%
+For each ``model.remat`` policy, the layouts of ``tests/test_plan.py`` (``LAYOUTS``) (which holds them to 10%
 under ``full``) are estimated by :class:`jaxpar.plan.Planner` and compiled on 8 simulated CPU devices
 (abstract arrays, nothing is allocated); each line is predicted / compiled total memory per device
 (arguments + outputs + temporaries - aliased), and each policy ends with how many are within 10%.

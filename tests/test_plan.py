@@ -18,11 +18,12 @@ from jaxpar.plan import CLUSTERS, GIB, Planner, main, meshes, options
 
 TINY = ["model.style=llama", "model.n_layers=4", "model.d_model=64", "model.n_heads=8", "model.n_kv_heads=4",
         "model.seq_len=64", "model.vocab_size=512", "train.batch_size=16", "model.remat=full"]
-LAYOUTS = [  # every strategy alone and combined on 8 devices: 16 layouts, and all five axes on 32 (FIVE_AXES)
+LAYOUTS = [  # every strategy alone and combined on 8 devices: 17 layouts, and all five axes on 32 (FIVE_AXES)
     ("gpt", dict(data=8, zero=1)), ("gpt", dict(data=8, zero=3, grad_accum=2)), ("gpt", dict(data=2, tensor=4)),
     ("gpt", dict(data=2, tensor=4, megatron_sp=True)), ("gpt", dict(data=4, pipe=2, microbatches=4)),
     ("gpt", dict(data=2, pipe=2, pipeline_repeats=2, tensor=2, microbatches=4)), ("moe", dict(data=2, expert=4)),
     ("gpt", dict(data=2, seq=4, seq_attention="ring")), ("gpt", dict(data=2, seq=4, seq_attention="ulysses")),
+    ("gpt", dict(data=2, seq=4, seq_attention="all_gather")),  # the planner tries each of the three
     ("gpt", dict(data=2, pipe=2, tensor=2, zero=1, microbatches=4, pipeline_schedule="1f1b")),
     ("moe", dict(expert=2, seq=2, tensor=2, zero=1)), ("moe", dict(data=1, pipe=2, expert=2, tensor=2, microbatches=2)),
     # the zero-bubble grids: their buffers, B's taps held until W, and every branch of every slot in XLA:CPU's count
