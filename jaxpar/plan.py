@@ -7,7 +7,8 @@
 
 The search space: every mesh of the cluster's devices over ``data x pipe x expert x seq x tensor``
 (sizes dividing the device count), ZeRO 0/1/3, every remat policy, Megatron-SP, gradient accumulation
-(the fewest microsteps that fit) and, with a pipeline, GPipe or 1F1B, interleaved / circular repeats R and
+(the fewest microsteps that fit), with ``seq`` each context-parallel attention (ring, Ulysses, the K/V
+all-gather) and, with a pipeline, GPipe or 1F1B, interleaved / circular repeats R and
 microbatch counts M from S up to one sequence per microbatch (:func:`options`). A first pass tries a few
 options on every mesh; the fastest meshes are then searched whole (:meth:`Planner.plan`). Each layout is
 checked with train.py's own checks (divisibility of heads, layers, batch, ...), estimated, dropped when
