@@ -164,7 +164,6 @@ NONE_KEPT_FF = {"gelu": 6, "swiglu": 6, "geglu": 8, "clamped_swiglu": 9}
 
 
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "zb_v")
-SEQ_ATTENTION = ("ring", "ulysses", "all_gather")  # context_parallel.STRATEGIES, as the planner tries them
 
 
 def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase: str = "all",
@@ -193,7 +192,9 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     runs = [(sched, r_) for sched in scheds for r_ in
             (repeats if sched in ("gpipe", "1f1b") else (1,) if sched == "zb_h1" else (2,) if per_stage % 2 == 0
              else ())]
-    attns = SEQ_ATTENTION if sizes["seq"] > 1 else (None,)
+    from jaxpar.layers.context_parallel import STRATEGIES
+
+    attns = STRATEGIES if sizes["seq"] > 1 else (None,)
     for zero, remat, sp, (sched, r_), attn in itertools.product(zeros, remats, sps, runs, attns):
         base = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": zero, "model.remat": remat,
                 "parallel.megatron_sp": sp}

@@ -605,7 +605,7 @@ MUTANTS = [
       "attn = attn_model * ((1 + 1 / n_seq) if cfg.parallel.seq_zigzag else 2)", "attn = attn_model * 2",
       ["tests/test_plan.py::test_ring_attention_recomputes_its_blocks_in_the_time_model[True]"]),
     M("plan-context-attention-not-searched", "memory-model", "jaxpar/plan.py",
-      'attns = SEQ_ATTENTION if sizes["seq"] > 1 else (None,)', "attns = (None,)",
+      'attns = STRATEGIES if sizes["seq"] > 1 else (None,)', "attns = (None,)",
       ["tests/test_plan.py::test_planner_chooses_the_context_parallel_attention"]),
     M("st-all-gather-balanced", "memory-model", "jaxpar/steptime.py",
       'elif n_seq > 1 and cfg.parallel.seq_attention == "all_gather":', "elif False:",
