@@ -18,7 +18,10 @@ The two steps are timed interleaved (jaxpar, plain, jaxpar, plain, ...), so that
 speed drifts during the run (a shared CPU) affects both alike.
 
 Every case runs with synthetic data, no checkpoints and no sample. The table goes to stdout;
-``--json FILE`` writes one JSON object per case.
+``--json FILE`` writes one JSON object per case. ``--profile DIR`` traces ``--profile-steps`` more steps
+of each step with JAX's profiler (a TensorBoard / Perfetto trace per case under DIR) and prints the
+device's kernel time per step against the wall time, and the kernels (by HLO op) that take most of it.
+``--hlo DIR`` writes each case's optimised train-step HLO, to look those ops up.
 """
 
 from __future__ import annotations
@@ -104,6 +107,37 @@ def build_jaxpar(cfg) -> dict:
     return {"step": step, "compile_s": compile_s, "report": report, "trainer": trainer}
 
 
+# the model keys plain_jax.py implements (with their values), those that do not change the math, and the
+# choices it has for the rest; every other key must keep its value for the config's style
+PLAIN_MODEL = ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "vocab_multiple",
+               "seq_len", "norm_eps", "rope_theta", "init_std", "bias", "tie_embeddings")
+NOT_MATH = ("style", "init_from", "max_positions", "remat", "attention", "loss_chunk_tokens", "compute_dtype")
+PLAIN_CHOICES = {"arch": ("gpt",), "positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"),
+                 "mlp": ("gelu", "swiglu"), "param_dtype": ("float32",)}
+
+
+def plain_gap(cfg) -> str | None:
+    """The first key of ``cfg`` whose math ``plain_jax.py`` does not have (``"model.arch=moe"``), or None:
+    the plain step is only a reference where it computes the same model."""
+    import dataclasses
+
+    from jaxpar.config import ModelConfig
+
+    m = cfg.model.resolved()
+    kept = {k: getattr(m, k) for k in (*PLAIN_MODEL, *NOT_MATH, *PLAIN_CHOICES)}
+    base = dataclasses.replace(ModelConfig(), **kept).resolved()  # every other key at the style's default
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if f.name in PLAIN_CHOICES:
+            if value not in PLAIN_CHOICES[f.name]:
+                return f"model.{f.name}={value}"
+        elif f.name not in PLAIN_MODEL and f.name not in NOT_MATH and value != getattr(base, f.name):
+            return f"model.{f.name}={value}"
+    if cfg.train.grad_accum != 1:
+        return f"train.grad_accum={cfg.train.grad_accum}"
+    return None
+
+
 def build_plain(cfg) -> dict:
     """The plain-JAX step (``plain_jax.py``) of the same model, dtype, attention kernel and remat."""
     import jax
@@ -113,6 +147,9 @@ def build_plain(cfg) -> dict:
     from jaxpar.layers.attention_ops import choose
     from jaxpar.layers.precision import compute_dtype
 
+    gap = plain_gap(cfg)
+    if gap:
+        return {"skipped": f"the plain step has no {gap}"}
     m = cfg.model.resolved()
     dtype = compute_dtype(m.compute_dtype)
     kernel = choose(m.attention, dtype=dtype, head_dim=m.head_dim, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
@@ -137,6 +174,86 @@ def build_plain(cfg) -> dict:
     return {"step": step, "compile_s": compile_s}
 
 
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Framework Ops", "Source code",
+                 "TensorFlow Name Scope", "TensorFlow Ops", "Launch Stats")
+
+
+def kernel_table(xplane: str, n_steps: int, top: int = 15) -> dict | None:
+    """What the device ran in a profiler trace (an ``.xplane.pb`` file) of ``n_steps`` steps: see
+    :func:`table_of`."""
+    from jax.profiler import ProfileData
+
+    return table_of(ProfileData.from_file(xplane).planes, n_steps, top)
+
+
+def table_of(planes, n_steps: int, top: int = 15) -> dict | None:
+    """Kernel milliseconds per step on the device planes (``/device:...``) of a trace's ``planes``, and the
+    ``top`` HLO ops by time with their share and calls per step. A kernel counts under its ``hlo_op`` stat,
+    else its name; the copy XLA makes of a loop body to double-buffer it (``.double_buffer_clone``)
+    counts under the original. Lines the profiler derives from the kernels (``XLA Ops``, ``Steps``, ...)
+    are not counted again. None when no device plane has kernels (XLA:CPU runs its ops on host threads)."""
+    per_op: dict[str, list] = {}
+    lines_seen = []
+    for plane in planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        lines = [ln for ln in plane.lines if ln.name not in DERIVED_LINES]
+        lines_seen += [f"{plane.name}:{ln.name}" for ln in lines]
+        for ln in lines:
+            for ev in ln.events:
+                stats = {name: value for name, value in ev.stats}
+                key = str(stats.get("hlo_op") or ev.name).removesuffix(".double_buffer_clone")
+                acc = per_op.setdefault(key, [0.0, 0])
+                acc[0] += ev.duration_ns
+                acc[1] += 1
+    if not per_op:
+        return None
+    total = sum(v[0] for v in per_op.values())
+    ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_ms_per_step": total / n_steps / 1e6, "lines": lines_seen,
+            "top": [{"op": k, "ms_per_step": v[0] / n_steps / 1e6, "share": v[0] / total,
+                     "calls_per_step": v[1] / n_steps} for k, v in ranked]}
+
+
+def profile_steps(steps: dict, out_dir: Path, n_steps: int) -> dict:
+    """Trace ``n_steps`` calls of each named step into ``out_dir/<name>``; per name, the wall
+    milliseconds per step and :func:`kernel_table` of its trace."""
+    import glob
+
+    import jax
+
+    out = {}
+    for name, step in steps.items():
+        d = out_dir / name
+        t0 = time.perf_counter()
+        with jax.profiler.trace(str(d)):
+            for _ in range(n_steps):
+                jax.block_until_ready(step())
+        wall_ms = (time.perf_counter() - t0) / n_steps * 1e3
+        files = sorted(glob.glob(str(d / "**" / "*.xplane.pb"), recursive=True))
+        table = kernel_table(files[-1], n_steps) if files else None
+        out[name] = {"wall_ms_per_step": wall_ms, "trace": files[-1] if files else None, "kernels": table}
+    return out
+
+
+def _fmt_profile(prof: dict, step_s: dict) -> str:
+    """The profile of each step: its kernel time against the step's untraced median ``step_s[name]``."""
+    rows = []
+    for name, p in prof.items():
+        k = p["kernels"]
+        if k is None:
+            rows.append(f"  profile {name}: {p['wall_ms_per_step']:.1f} ms/step traced; no device plane in the trace "
+                        f"(CPU): open {p['trace']} in TensorBoard or Perfetto")
+            continue
+        ms = 1e3 * step_s[name]
+        rows.append(f"  profile {name}: device kernels {k['kernel_ms_per_step']:.1f} ms per step, "
+                    f"{100 * k['kernel_ms_per_step'] / ms:.0f}% of the step's {ms:.1f} ms (traced: "
+                    f"{p['wall_ms_per_step']:.1f} ms)")
+        rows += [f"    {100 * t['share']:5.1f}%  {t['ms_per_step']:8.2f} ms  x{t['calls_per_step']:<6.0f} "
+                 f"{t['op'][:90]}" for t in k["top"]]
+    return "\n".join(rows)
+
+
 def check_args(args, cases: list[str]) -> list[int]:
     """Every argument and case checked before anything compiles (a ValueError naming the bad one);
     returns the ``--depth`` list."""
@@ -146,6 +263,8 @@ def check_args(args, cases: list[str]) -> list[int]:
         raise ValueError(f"--steps={args.steps} must be >= 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup={args.warmup} must be >= 0")
+    if args.profile_steps < 1:
+        raise ValueError(f"--profile-steps={args.profile_steps} must be >= 1")
     if args.peak_tflops < 0:
         raise ValueError(f"--peak-tflops={args.peak_tflops} must be >= 0 (0 = by device kind)")
     try:
@@ -200,6 +319,13 @@ def run_case(case: str, args) -> dict:
                    plain_mfu=per_device / plain_s / peak if peak else None, ratio_to_plain=step_s / plain_s)
     else:
         out["plain"] = note
+    tag = f"case{args.case_index}"
+    if args.hlo:
+        Path(args.hlo).mkdir(parents=True, exist_ok=True)
+        (Path(args.hlo) / f"{tag}.hlo.txt").write_text(trainer.hlo_text())
+    if args.profile:
+        steps = {f"{tag}-jaxpar": j["step"], **({f"{tag}-plain": plain["step"]} if plain else {})}
+        out["profile"] = profile_steps(steps, Path(args.profile), args.profile_steps)
     return out
 
 
@@ -241,6 +367,10 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (default: by device kind)")
     ap.add_argument("--no-plain", action="store_true", help="skip the plain-JAX comparison")
     ap.add_argument("--depth", default="", help="comma-separated depths: compile-time scaling of the first case")
+    ap.add_argument("--profile", default="", help="trace more steps of each case into this folder and print "
+                    "the device's kernel time and its top ops")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps traced per case with --profile")
+    ap.add_argument("--hlo", default="", help="write each case's optimised train-step HLO into this folder")
     ap.add_argument("--json", default="", help="write the results (one JSON object per line) to this file")
     args = ap.parse_args(argv)
     if args.cases and args.preset:
@@ -253,7 +383,8 @@ def main(argv=None) -> int:
         return 2
 
     results = []
-    for case in cases:
+    for i, case in enumerate(cases):
+        args.case_index = i
         try:
             r = run_case(case, args)
         except Exception as e:  # noqa: BLE001 - out of device memory: one line, the cases so far are printed
@@ -266,6 +397,9 @@ def main(argv=None) -> int:
             return 1
         results.append(r)
         print(_fmt(r), flush=True)
+        if "profile" in r:
+            step_s = {f"case{i}-jaxpar": r["step_s"], f"case{i}-plain": r.get("plain_step_s", 0.0)}
+            print(_fmt_profile(r["profile"], step_s), flush=True)
     if depths:
         comp = depth_scaling(depths, cases[0])
         ratio = comp[depths[-1]] / comp[depths[0]]

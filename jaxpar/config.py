@@ -397,6 +397,12 @@ class MoEConfig:
                            "grouped matmul, compute ~ top_k x tokens; over parallel.expert the rows move in "
                            "all-to-all rounds of capacity_factor x the balanced share; every pipeline schedule), "
                            "or auto (sorted when moe.dropless, else capacity).", ("auto", "capacity", "sorted"))
+    grouped_matmul: str = _f("auto", "The sorted dispatch's grouped matmul: tiles (each expert's rows padded to "
+                                     "tiles, a loop of one-expert matmuls), ragged_dot (jax.lax.ragged_dot: "
+                                     "Mosaic's grouped GEMM on TPU; XLA:GPU and XLA:CPU expand it to a dense "
+                                     "matmul over every expert, E/top_k x the flops and an [E, rows, d] "
+                                     "temporary), or auto (ragged_dot on TPU, tiles elsewhere).",
+                             ("auto", "tiles", "ragged_dot"))
     first_dense: int = _f(0, "The first this many layers are dense MLPs of model.d_ff (DeepSeek-V3's "
                              "first_k_dense_replace: 3), the moe.every pattern applying to the rest; under a "
                              "pipeline they run on the first stage after the embedding, per microbatch.",
@@ -863,6 +869,10 @@ def validate_moe(cfg: Config) -> None:
         raise ConfigError(f"moe.every={e.every} must divide the {n} layers after the moe.first_dense={e.first_dense} "
                           f"dense ones (model.n_layers={cfg.model.n_layers})")
     check_groups(e.n_experts, e.top_k, e.n_group, e.topk_group)
+    if e.grouped_matmul != "auto" and e.dispatch_path() != "sorted":
+        raise ConfigError(f"moe.grouped_matmul={e.grouped_matmul} has no effect with moe.dispatch="
+                          f"{e.dispatch_path()} (it is the sorted dispatch's matmul): remove it, or set "
+                          "moe.dispatch=sorted with moe.dropless=true")
     if e.dispatch == "sorted" and not e.dropless:
         raise ConfigError("moe.dispatch=sorted is the dropless path (no capacity): set moe.dropless=true, or "
                           "moe.dispatch=capacity")

@@ -61,6 +61,7 @@ class MoEBlock(Block):
                        score=moe.score, dispatch=moe.dispatch_path(), bias_update_rate=moe.bias_update_rate,
                        groups=moe.n_group, top_groups=moe.topk_group, gate_scale=moe.routed_scaling_factor,
                        routing_bias=moe.router_bias, logit_bias=moe.router_logit_bias, expert_bias=moe.expert_bias,
+                       grouped_matmul=moe.grouped_matmul,
                        dtype=dtype, param_dtype=DTYPES[cfg.param_dtype], rngs=r)
 
         super().__init__(cfg, dtype=dtype, rngs=rngs, ffn=experts, tensor=tensor)

@@ -533,10 +533,11 @@ def test_deepseek_style_config_trains_through_train_py(tmp_path):
     assert "f32[128,2,32]" in hlo
 
 
-@pytest.mark.parametrize("impl", ["tiles", "ragged_dot"])
-def test_sorted_experts_equal_the_per_assignment_sum(impl):
+@pytest.mark.parametrize("impl,platform", [("tiles", "cpu"), ("tiles", "gpu"), ("ragged_dot", None)])
+def test_sorted_experts_equal_the_per_assignment_sum(impl, platform):
     """``sorted_experts`` against a float64 loop over every (token, choice), for skewed routing (one
-    expert takes most assignments, one none), both grouped-matmul implementations, with gradients."""
+    expert takes most assignments, one none), both grouped-matmul implementations (the tiles in the CPU's
+    size, 1 row here, and the accelerators', 16 rows), with gradients."""
     from jaxpar.layers.moe import sorted_experts
 
     rng = np.random.default_rng(3)
@@ -557,7 +558,7 @@ def test_sorted_experts_equal_the_per_assignment_sum(impl):
         return jnp.stack(out)
 
     def got(x, gates, w_in, w_out):
-        return sorted_experts(x, jnp.asarray(experts), gates, w_in, w_out, "swiglu", impl)
+        return sorted_experts(x, jnp.asarray(experts), gates, w_in, w_out, "swiglu", impl, platform=platform)
 
     args32 = [jnp.asarray(a, jnp.float32) for a in (x, gates, w_in, w_out)]
     ct = rng.normal(size=(g, d))
@@ -570,6 +571,35 @@ def test_sorted_experts_equal_the_per_assignment_sum(impl):
     assert rel_err(y, y_ref) <= 1e-5
     for a, b in zip(gr, gr_ref):
         assert rel_err(a, b) <= 1e-5
+
+
+def test_grouped_matmul_choice_and_tile_rows():
+    """``moe.grouped_matmul=auto`` runs Mosaic's grouped GEMM (``ragged_dot``) on TPU only: XLA:GPU expands
+    ``ragged_dot`` to every expert. Tiles: on CPU at most 1/8 padding; on an accelerator the mean rows per
+    expert rounded up to a power of two, at most 256 (hand values)."""
+    from jaxpar.config import ConfigError, load_config
+    from jaxpar.layers.moe_dispatch import grouped_matmul_impl, tile_rows
+
+    assert [grouped_matmul_impl("auto", p) for p in ("cpu", "gpu", "tpu")] == ["tiles", "tiles", "ragged_dot"]
+    assert grouped_matmul_impl("ragged_dot", "gpu") == "ragged_dot" and grouped_matmul_impl("tiles", "tpu") == "tiles"
+    with pytest.raises(ValueError, match="grouped_matmul='dense'.*auto, tiles, ragged_dot"):
+        grouped_matmul_impl("dense", "gpu")
+    # CPU: A // (8 E), clamped to [1, 128]
+    assert [tile_rows(a, e) for a, e in [(80, 6), (16384, 128), (65536, 8), (8192, 16)]] == [1, 16, 128, 64]
+    # accelerators: ceil(A / E) up to a power of two, at most 256
+    assert [tile_rows(a, e, "gpu") for a, e in [(80, 6), (16384, 128), (65536, 128), (1000, 16), (10**6, 8)]] == \
+        [16, 128, 256, 64, 256]
+    cfg = load_config(None, ["model.arch=moe", "moe.dropless=true", "moe.grouped_matmul=ragged_dot"])
+    assert cfg.moe.grouped_matmul == "ragged_dot"
+    with pytest.raises(ConfigError, match="moe.grouped_matmul=tiles has no effect with moe.dispatch=capacity"):
+        load_config(None, ["model.arch=moe", "moe.grouped_matmul=tiles"])
+    with pytest.raises(ConfigError, match="moe.grouped_matmul"):
+        load_config(None, ["model.arch=moe", "moe.dropless=true", "moe.grouped_matmul=dense"])
+    from flax import nnx
+
+    from jaxpar.layers.moe import MoE
+    with pytest.raises(ConfigError, match=r"MoE\(grouped_matmul='cublas'\).*moe.grouped_matmul"):
+        MoE(8, 16, 4, 2, dropless=True, dispatch="sorted", grouped_matmul="cublas", rngs=nnx.Rngs(0))
 
 
 def test_sorted_dispatch_computes_the_routed_tokens_only():

@@ -89,7 +89,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, check_groups
 from jaxpar.layers.mlp import GATED, KINDS, MLP, Kind, activate, kind_name
-from jaxpar.layers.moe_dispatch import exchanged_experts, sorted_experts, varying
+from jaxpar.layers.moe_dispatch import GROUPED_MATMUL, exchanged_experts, grouped_matmul_impl, sorted_experts, varying
 from jaxpar.partitioning import active_rules, param
 
 
@@ -204,7 +204,9 @@ class MoE(nnx.Module):
     ``logit_bias`` adds ``router_logit_bias [router]``, a trained bias on the router's logits (GPT-OSS);
     ``expert_bias`` the experts' biases ``b_in [experts, (2,) mlp]`` (on the up projections) and ``b_out
     [router, expert_embed]`` (on the down projection: every expert's, whole on every device, added once as
-    ``sum_j g_tj b_out[e_tj]``).
+    ``sum_j g_tj b_out[e_tj]``). ``grouped_matmul``: how the sorted dispatch runs its experts, ``tiles``,
+    ``ragged_dot`` or ``auto`` (:func:`~jaxpar.layers.moe_dispatch.grouped_matmul_impl`: ``ragged_dot``
+    on TPU only).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, *, capacity_factor: float = 1.25,
@@ -212,7 +214,8 @@ class MoE(nnx.Module):
                  out_init_std: float | None = None, shared_experts: int = 0, score: str = "softmax",
                  dispatch: str = "capacity", bias_update_rate: float = 0.0, groups: int = 1, top_groups: int = 1,
                  gate_scale: float = 1.0, routing_bias: bool = False, logit_bias: bool = False,
-                 expert_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 expert_bias: bool = False, grouped_matmul: str = "auto", dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         if kind_name(kind) not in KINDS:
             raise ValueError(f"unknown expert kind {kind!r}; choose one of {', '.join(KINDS)}")
         # a library caller's mistake names the argument (and the config key train.py users set)
@@ -226,6 +229,9 @@ class MoE(nnx.Module):
         if dispatch not in DISPATCH:
             raise ConfigError(f"MoE(dispatch={dispatch!r}) (config key moe.dispatch): choose one of "
                               f"{', '.join(DISPATCH)}")
+        if grouped_matmul not in GROUPED_MATMUL:
+            raise ConfigError(f"MoE(grouped_matmul={grouped_matmul!r}) (config key moe.grouped_matmul): choose one "
+                              f"of {', '.join(GROUPED_MATMUL)}")
         if dispatch == "sorted" and not dropless:
             raise ConfigError("MoE(dispatch='sorted') is the dropless path: pass dropless=True (config key "
                               "moe.dropless)")
@@ -239,7 +245,7 @@ class MoE(nnx.Module):
         self.n_experts, self.top_k, self.kind = n_experts, top_k, kind
         self.capacity_factor, self.dropless, self.renormalize = capacity_factor, dropless, renormalize
         self.score, self.dispatch, self.dtype = score, dispatch, dtype
-        self.bias_update_rate = bias_update_rate
+        self.bias_update_rate, self.grouped_matmul = bias_update_rate, grouped_matmul
         # always-on experts: one dense MLP of width S * d_ff (the sum of S experts' outputs), no biases
         self.shared = (MLP(d_model, shared_experts * d_ff, kind=kind, use_bias=False, init_std=init_std,
                            out_init_std=out_init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -338,7 +344,7 @@ class MoE(nnx.Module):
         # the gates varying over tensor as the tokens are (the combine multiplies them): their gradient's sum too
         gates = _vary(r.gates, ax.tensor, self.dtype)
         if self.dispatch == "sorted":
-            impl = "ragged_dot" if jax.devices()[0].platform in ("gpu", "tpu") else "tiles"
+            impl = grouped_matmul_impl(self.grouped_matmul, jax.devices()[0].platform)
             w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
             b_in = None if b_in is None else b_in.astype(self.dtype)
             if ax.expert:
