@@ -28,6 +28,11 @@ run by ``--calibrate``).
                (the bytes the planner's memory model keeps per token without remat, twice in a forward,
                four times in a backward), and AdamW's update (28 bytes per parameter of the optimizer's
                shard: the float32 parameter, gradient and two moments read, three written)
+``moe tiles``  the sorted MoE dispatch's grouped matmul where it is a loop over row tiles (GPU: XLA:GPU
+               has no grouped GEMM, :func:`jaxpar.layers.moe_dispatch.grouped_matmul_impl`): each tile's
+               matmuls are kernels of their own, ``tile_us`` per tile forward and backward (a third
+               forward), over every tile of the padded buffer (:func:`jaxpar.layers.moe_dispatch.tile_rows`)
+               in each MoE layer run, the forward again under remat
 ``offload``    ``model.remat=offload``: the saved matmul outputs to the host and back at ``host_gbs``,
                overlapped with the layer's compute (what exceeds it)
 ``comm <axes>``  each collective's wire bytes (:attr:`jaxpar.comm.Term.wire_bytes`) at the bandwidth of its
@@ -80,6 +85,7 @@ class Hardware:
     intra_us: float = 10.0
     inter_us: float = 25.0
     efficiency: float = 0.68  # fitted to Megatron-LM's Table 1 on A100 (docs: the planner)
+    tile_us: float = 0.0  # the tiled MoE grouped matmul's cost per tile, forward and backward (0: ragged_dot)
 
     def with_(self, **kw) -> "Hardware":
         return replace(self, **kw)
@@ -188,6 +194,35 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
                  forward=fwd, attention_fwd=tokens * attn * fwd_runs, backward=(bwd + redo) / ru.k)
 
 
+def tile_loop(cfg, sizes: dict, ru) -> int:
+    """Tiles of one MoE layer run's grouped-matmul loop on a device (the sorted dispatch on an accelerator):
+    the device's ``top_k x tokens`` assignments, with ``expert > 1`` the ``expert x ceil(capacity_factor x
+    A / expert)`` rows of one exchange round, over its local experts, each expert's rows padded to
+    :func:`~jaxpar.layers.moe_dispatch.tile_rows`; 0 without MoE layers or the sorted dispatch."""
+    from jaxpar.layers.moe_dispatch import tile_rows
+
+    e = cfg.moe
+    if cfg.model.arch != "moe" or e.dispatch_path() != "sorted":
+        return 0
+    ep = sizes["expert"]
+    rows = ru.layer_rows * ru.tl * e.top_k
+    if ep > 1:
+        rows = ep * max(1, math.ceil(e.capacity_factor * rows / ep - 1e-9))
+    local = e.n_experts // ep
+    m = tile_rows(rows, local, "gpu")
+    return -(-(rows + local * (m - 1)) // m)
+
+
+def moe_tiles(cfg, sizes: dict, ru, hw: Hardware, recompute_share: float) -> float:
+    """Seconds of the ``moe tiles`` term (the module docstring): a tile costs ``hw.tile_us`` forward and
+    backward, a third of it forward; 0 where the grouped matmul is not a tile loop (``hw.tile_us`` = 0, or
+    ``moe.grouped_matmul=ragged_dot``)."""
+    if not hw.tile_us or cfg.moe.grouped_matmul == "ragged_dot":
+        return 0.0
+    calls = (ru.moe_fwd + recompute_share * ru.moe_redo) / 3 + 2 * ru.moe_bwd / 3
+    return tile_loop(cfg, sizes, ru) * calls * hw.tile_us * 1e-6
+
+
 def bandwidth(hw: Hardware, label: str, sizes: dict, nodes: int) -> tuple[float, float]:
     """(GB/s, µs latency) of a collective over the axes ``label`` (``data+expert``): the inter-node link
     when its group spans nodes (the mesh fills ``tensor``, the innermost axis, first)."""
@@ -211,6 +246,7 @@ def step_time(cfg, sizes: dict, terms: list, ru, hw: Hardware, nodes: int, *, re
     tokens = ru.layer_rows * ru.tl
     passes = ru.fwd + 2 * ru.bwd + recompute_share * ru.redo  # a layer's bytes once per forward, twice per backward
     out["memory"] = (tokens * passes * kept_bytes + 28 * opt_params) / (hw.hbm_gbs * 1e9)
+    out["moe tiles"] = moe_tiles(cfg, sizes, ru, hw, recompute_share)
     if cfg.model.resolved().remat == "offload":
         moved = 2 * tokens * ru.bwd * saved_bytes / (hw.host_gbs * 1e9)
         out["offload"] = max(0.0, moved - f.forward / rate)
@@ -249,7 +285,7 @@ def fit(samples: list[tuple[dict, float]], hw: Hardware) -> Hardware:
     three or more fit compute, memory and communication apart (least squares, each factor kept positive)."""
     import numpy as np
 
-    groups = [("compute", "recompute", "bubble", "overhead"), ("memory", "offload"), ("comm",)]
+    groups = [("compute", "recompute", "bubble", "overhead", "moe tiles"), ("memory", "offload"), ("comm",)]
     if len(samples) == 1:
         groups = [tuple(g for grp in groups for g in grp)]
     elif len(samples) == 2:

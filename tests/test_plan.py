@@ -388,6 +388,26 @@ def test_time_model_terms_and_overlaps():
         overlap_class("a new collective")
 
 
+def test_moe_tile_loop_in_the_time_model():
+    """On a GPU cluster the sorted dispatch's grouped matmul is a loop over row tiles at ``tile_us`` per tile
+    forward and backward (a third forward, run again under remat=full), by hand: 4 MoE layers, top-2 of 4
+    experts, 2 sequences of 64 tokens per device. data=8: 256 assignments over 4 experts, tiles of 64 (the
+    mean rows per expert), (256 + 4 x 63) / 64 -> 8 tiles. data=2 x expert=4: one exchange round of
+    4 x ceil(1.25 x 256 / 4) = 320 rows on 1 local expert, tiles of 256, (320 + 255) / 256 -> 3. None on TPU (ragged_dot),
+    with moe.grouped_matmul=ragged_dot, or without the sorted dispatch."""
+    calls = 4 / 3 + 4 / 3 + 2 * 4 / 3          # forward, forward again (remat full), backward; per MoE layer
+    for par, tiles in ((dict(data=8), 8), (dict(data=2, expert=4), 3)):
+        cfg, ov = layout("moe", par, ["moe.dropless=true"])
+        est = Planner(cfg, CLUSTERS["h200x8"], 1).estimate(ov)
+        assert est.budget["moe tiles"] == pytest.approx(tiles * calls * 58e-6, rel=1e-9), par
+        assert est.budget["step"] == pytest.approx(sum(v for k, v in est.budget.items() if k != "step"))
+        assert Planner(cfg, CLUSTERS["tpu-v5p"], 2).estimate(ov).budget["moe tiles"] == 0.0
+    cfg, ov = layout("moe", dict(data=8), ["moe.dropless=true", "moe.grouped_matmul=ragged_dot"])
+    assert Planner(cfg, CLUSTERS["h200x8"], 1).estimate(ov).budget["moe tiles"] == 0.0
+    cfg, ov = layout("moe", dict(data=8))                  # the capacity dispatch: no grouped matmul
+    assert Planner(cfg, CLUSTERS["h200x8"], 1).estimate(ov).budget["moe tiles"] == 0.0
+
+
 @pytest.mark.parametrize("zigzag", [True, False])
 def test_ring_attention_recomputes_its_blocks_in_the_time_model(zigzag):
     """Ring attention's blocks keep only their inputs and compute their forward again in the backward
