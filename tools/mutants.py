@@ -566,7 +566,7 @@ MUTANTS = [
       ["tests/test_zero_bubble.py::test_idle_fractions_at_four_stages_and_eight_microbatches"]),
     M("zb-allocate-reuses-a-slot-early", "pipeline-zero-bubble", ZB, "            if end < w:",
       "            if end <= w + 1:",
-      ["tests/test_zero_bubble.py::test_executor_program_replays_the_grid[zb_h1-4-8]"]),
+      ["tests/test_zero_bubble.py::test_executor_program_replays_the_grid[zb_h1-4-8-False]"]),
     M("zb-v-stored-as-a-ring", "pipeline-zero-bubble", PIPE,
       "return r * stages + (stages - 1 - s if v and r % 2 else s)", "return r * stages + s",
       ["tests/test_pipeline.py::test_loss_and_grads_match_single_device[gpt2-pipe=2-pipeline_repeats=2-"
