@@ -573,12 +573,44 @@ def test_sorted_experts_equal_the_per_assignment_sum(impl, platform):
         assert rel_err(a, b) <= 1e-5
 
 
+def test_batched_tiles_equal_ragged_dot_with_up_biases():
+    """The accelerators' tiles (108 assignments over 5 experts: tiles of 32 rows, (108 + 5 x 31) / 32 -> 9
+    tiles in 2 loop steps of 8, the second with 7 tiles of zeros) with the up
+    projections' biases and the clamped SwiGLU (GPT-OSS) equal XLA's dense expansion of ``ragged_dot``,
+    output and gradients; so do the CPU's tiles (1 row, 1 per step)."""
+    from jaxpar.layers.mlp import ClampedSwiGLU
+    from jaxpar.layers.moe_dispatch import sorted_experts, tile_rows, tiles_per_step
+
+    rng = np.random.default_rng(5)
+    g, k, e, d, f = 36, 3, 5, 8, 6
+    assert tile_rows(g * k, e, "gpu") == 32 and tiles_per_step(32, "gpu", d * 2 * f + f * d) == 8
+    experts = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(g)]))
+    x, gates = jnp.asarray(rng.normal(size=(g, d)), jnp.float32), jnp.asarray(rng.uniform(size=(g, k)), jnp.float32)
+    w_in, w_out = (jnp.asarray(rng.normal(size=s) / 3, jnp.float32) for s in ((e, d, 2, f), (e, f, d)))
+    b_in = jnp.asarray(rng.normal(size=(e, 2, f)), jnp.float32)
+    ct = jnp.asarray(rng.normal(size=(g, d)), jnp.float32)
+
+    def run(impl, platform):
+        def loss(x, gates, w_in, w_out, b_in):
+            y = sorted_experts(x, experts, gates, w_in, w_out, ClampedSwiGLU(), impl, b_in=b_in, platform=platform)
+            return jnp.sum(y * ct), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, gates, w_in, w_out, b_in)
+
+    (_, y_ref), g_ref = run("ragged_dot", None)
+    for platform in ("gpu", "cpu"):
+        (_, y), grads = run("tiles", platform)
+        assert rel_err(y, y_ref) <= 1e-5, platform
+        for a, b in zip(grads, g_ref):
+            assert rel_err(a, b) <= 1e-5, platform
+
+
 def test_grouped_matmul_choice_and_tile_rows():
     """``moe.grouped_matmul=auto`` runs Mosaic's grouped GEMM (``ragged_dot``) on TPU only: XLA:GPU expands
     ``ragged_dot`` to every expert. Tiles: on CPU at most 1/8 padding; on an accelerator the mean rows per
-    expert rounded up to a power of two, at most 256 (hand values)."""
+    expert rounded up to a power of two, at most 256, and several tiles per loop step for small experts
+    (hand values)."""
     from jaxpar.config import ConfigError, load_config
-    from jaxpar.layers.moe_dispatch import grouped_matmul_impl, tile_rows
+    from jaxpar.layers.moe_dispatch import grouped_matmul_impl, tile_rows, tiles_per_step
 
     assert [grouped_matmul_impl("auto", p) for p in ("cpu", "gpu", "tpu")] == ["tiles", "tiles", "ragged_dot"]
     assert grouped_matmul_impl("ragged_dot", "gpu") == "ragged_dot" and grouped_matmul_impl("tiles", "tpu") == "tiles"
@@ -589,6 +621,11 @@ def test_grouped_matmul_choice_and_tile_rows():
     # accelerators: ceil(A / E) up to a power of two, at most 256
     assert [tile_rows(a, e, "gpu") for a, e in [(80, 6), (16384, 128), (65536, 128), (1000, 16), (10**6, 8)]] == \
         [16, 128, 256, 64, 256]
+    # tiles per loop step: 1 on CPU; on an accelerator up to 2048 rows, 8 tiles and 2^26 gathered weights
+    qwen3, deepseek_v3 = 2048 * 2 * 768 + 768 * 2048, 7168 * 2 * 2048 + 2048 * 7168
+    assert [tiles_per_step(256, "cpu", qwen3), tiles_per_step(256, "gpu", qwen3), tiles_per_step(512, "gpu", qwen3),
+            tiles_per_step(16, "gpu", qwen3), tiles_per_step(256, "gpu", deepseek_v3),
+            tiles_per_step(64, "gpu", 2**24)] == [1, 8, 4, 8, 1, 4]
     cfg = load_config(None, ["model.arch=moe", "moe.dropless=true", "moe.grouped_matmul=ragged_dot"])
     assert cfg.moe.grouped_matmul == "ragged_dot"
     with pytest.raises(ConfigError, match="moe.grouped_matmul=tiles has no effect with moe.dispatch=capacity"):
