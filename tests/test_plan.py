@@ -388,6 +388,37 @@ def test_time_model_terms_and_overlaps():
         overlap_class("a new collective")
 
 
+# one H200's allocator peak after the first step (benchmarks/throughput.py, 2026-12-04; bf16 compute, float32
+# weights and AdamW, synthetic data, one device): config, overrides, GiB. Measured on the GPU, not by this code.
+H200_PEAKS = [
+    ("gpt2_124m", ["train.batch_size=16", "model.remat=none"], 13.76),
+    ("gpt2_124m", ["train.batch_size=32", "model.remat=none"], 24.60),
+    ("llama_1b", ["train.batch_size=8", "train.grad_accum=1", "model.remat=full"], 19.66),
+    ("llama_1b", ["train.batch_size=8", "train.grad_accum=1", "model.remat=save_dots"], 31.36),
+    ("llama_1b", ["train.batch_size=8", "train.grad_accum=1", "model.remat=none"], 59.30),
+    ("qwen3_30b_a3b", ["model.n_layers=4", "train.batch_size=4", "model.seq_len=2048", "model.remat=full"], 51.39),
+]
+
+
+def test_gpu_memory_estimate_against_one_h200():
+    """The planner's GPU estimate of one device's memory, for the cases measured on an H200, within 10% of the
+    allocator's peak; the AdamW update's temporaries reuse the backward's activations on the GPU (summed, as
+    XLA:CPU holds them, Llama 1B with full remat was 12% over). (A 3-layer DeepSeek-V3 with 16 experts, 50.4
+    GiB measured, is estimated at 59.2: the docs say so.)"""
+    hw = CLUSTERS["h200x8"].with_(per_node=1, name="h200x1")
+    one = ["parallel.data=1", "parallel.tensor=1", "parallel.expert=1", "parallel.zero=0", "data.source=synthetic"]
+    for name, over, measured in H200_PEAKS:
+        cfg = load_config(f"configs/{name}.yaml", one + over)
+        est = Planner(cfg, hw, 1).estimate({"parallel.data": 1, "model.remat": cfg.model.resolved().remat})
+        ratio = est.memory["total"] / (measured * GIB)
+        print(f"{name} {' '.join(over)}: {est.memory['total'] / GIB:.1f} GiB estimated, {measured} measured")
+        assert 0.9 < ratio < 1.1, (name, over, ratio)
+        # as XLA:CPU holds it: half a float32 copy of the optimizer's shard (whose AdamW moments are 8 bytes)
+        summed = est.memory["total"] - est.memory["update"] + 0.5 * 4 * est.memory["opt"] / 8
+        if name == "llama_1b" and "model.remat=full" in over:
+            assert summed / (measured * GIB) > 1.1    # the update added to the activations: off by more than 10%
+
+
 def test_moe_tile_loop_in_the_time_model():
     """On a GPU cluster the sorted dispatch's grouped matmul is a loop over row tiles at ``tile_us`` per tile
     forward and backward (a third forward, run again under remat=full), by hand: 4 MoE layers, top-2 of 4
