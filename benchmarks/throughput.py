@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train-step throughput of jaxpar configs on the devices present, against a plain-JAX step.
 
-    python benchmarks/throughput.py                        # the accelerator cases (gpt2_124m, llama_1b)
+    python benchmarks/throughput.py                        # the accelerator cases (gpt2_124m, llama_1b, Qwen3-MoE)
     python benchmarks/throughput.py CASE [CASE ...]         # CASE = config.yaml[:key=value,key=value...]
     python benchmarks/throughput.py --preset cpu            # tiny models, seconds on a CPU
     python benchmarks/throughput.py --depth 2,24            # compile time of the layer scan against depth
@@ -43,7 +43,10 @@ PRESETS = {
     # the issue's H200 comparison: one device, bf16 compute, fp32 master weights
     "gpu": ["configs/gpt2_124m.yaml:parallel.data=1,parallel.zero=0,train.batch_size=16,model.remat=none",
             "configs/llama_1b.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,"
-            "train.grad_accum=1,model.remat=full"],
+            "train.grad_accum=1,model.remat=full",
+            # MoE: Qwen3-30B-A3B's layers (128 experts, top 8), 4 of them, the sorted dispatch (51 GiB on an H200)
+            "configs/qwen3_30b_a3b.yaml:parallel.data=1,parallel.expert=1,parallel.zero=0,model.n_layers=4,"
+            "train.batch_size=4,model.seq_len=2048,model.remat=full"],
     # tiny shapes for a CPU (the test suite runs these)
     "cpu": ["configs/default.yaml:parallel.data=1,parallel.tensor=1,parallel.zero=0,train.batch_size=8,"
             "model.seq_len=64",
