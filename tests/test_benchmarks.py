@@ -175,3 +175,25 @@ def test_plain_step_is_compared_only_where_it_computes_the_same_model():
     assert gap("configs/default.yaml", "model.style=llama", "model.n_kv_heads=2", "model.rope_theta=5e5") is None
     cfg = load_config(str(ROOT / "configs/moe.yaml"), throughput.COMMON)
     assert throughput.build_plain(cfg) == {"skipped": "the plain step has no model.arch=moe"}
+
+
+def test_moe_grouped_benchmark_on_cpu(tmp_path):
+    """``benchmarks/moe_grouped.py`` at tiny sizes: the variants agree; the routed work's flops are
+    6 x tokens x top_k x d_model x 3 d_ff (by hand: 256 x 2 assignments of 32 x 48); XLA:CPU's expansion of
+    ragged_dot holds at least an [experts, assignments, 2 d_ff] float32 buffer, over twice the tiles'; a bad
+    variant is one line naming it."""
+    out = tmp_path / "mg.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks/moe_grouped.py"), "--tokens", "256", "--experts", "8", "--top-k", "2",
+           "--d-model", "32", "--d-ff", "16", "--variants", "tiles,tiles:8:4,ragged_dot", "--steps", "2",
+           "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=command_env(), cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(rows) == ["tiles", "tiles:8:4", "ragged_dot"]
+    for r in rows.values():
+        assert r["max_rel_diff"] < 1e-5
+        assert r["tflops"] * 1e12 * r["step_s"] == pytest.approx(6 * 256 * 2 * 32 * 3 * 16, rel=1e-9)
+    assert rows["ragged_dot"]["temp_bytes"] >= max(8 * 512 * 32 * 4, 2 * rows["tiles"]["temp_bytes"])
+    bad = subprocess.run(cmd[:2] + ["--variants", "tiles:x"], capture_output=True, text=True, env=command_env(),
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "'tiles:x'" in bad.stderr and "Traceback" not in bad.stderr
