@@ -94,8 +94,8 @@ CLUSTERS = {c.name: c for c in (
     # NVLink 4 (900 GB/s both ways), 400 Gb/s InfiniBand per GPU, HBM3 3.35 TB/s, PCIe 5 to the host
     # tile_us: the tiled MoE grouped matmul per tile, forward and backward, measured on one H200 (128 experts,
     # d_model 2048, expert width 768: 55.8 ms in 576 tiles of 128 rows, 43.6 ms in 320 of 256; the fixed part)
-    Hardware("h100x8", 8, 80, 989, 360, 45, hbm_gbs=3350, host_gbs=50, tile_us=58),
-    Hardware("h200x8", 8, 141, 989, 360, 45, hbm_gbs=4800, host_gbs=50, tile_us=58),
+    Hardware("h100x8", 8, 80, 989, 360, 45, hbm_gbs=3350, host_gbs=50, tile_us=58, cudnn_head_dim=256),
+    Hardware("h200x8", 8, 141, 989, 360, 45, hbm_gbs=4800, host_gbs=50, tile_us=58, cudnn_head_dim=256),
     # NVLink 3, 200 Gb/s HDR per GPU, HBM2e 2.0 TB/s, PCIe 4 (a tile's kernels: as on Hopper, not measured)
     Hardware("a100x8", 8, 80, 312, 235, 22, hbm_gbs=2039, host_gbs=25, tile_us=58),
     # per host of 4 chips: ICI inside the slice, DCN between
@@ -440,7 +440,8 @@ class Planner:
         ring = n > 1 and par.seq_attention == "ring"
         t_kv = m.seq_len // n * 2 if ring else m.seq_len
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
-                        n_kv_heads=kv, platform=self.platform, seq_len=m.seq_len)
+                        n_kv_heads=kv, platform=self.platform, seq_len=m.seq_len,
+                        cudnn_head_dim=self.cluster.cudnn_head_dim)
         cpu = self.platform == "cpu"
         # XLA:CPU runs bfloat16 matmuls in float32: a layer's working set is float32 (wb), and its input, kept
         # for the backward, is kept as stored and, for part of the layers, converted too (sb: 4.8 to 6.4 bytes

@@ -86,6 +86,7 @@ class Hardware:
     inter_us: float = 25.0
     efficiency: float = 0.68  # fitted to Megatron-LM's Table 1 on A100 (docs: the planner)
     tile_us: float = 0.0  # the tiled MoE grouped matmul's cost per tile, forward and backward (0: ragged_dot)
+    cudnn_head_dim: int = 128  # the largest head dim of cuDNN's flash attention (Hopper and later: 256)
 
     def with_(self, **kw) -> "Hardware":
         return replace(self, **kw)

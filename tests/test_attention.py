@@ -147,6 +147,12 @@ def test_kernel_choice():
     assert choose("auto", dtype=jnp.bfloat16, platform="gpu", **facts) == "cudnn"
     assert choose("auto", dtype=jnp.float32, platform="gpu", **facts) == "xla"  # cuDNN has no float32 kernel
     assert choose("auto", dtype=jnp.bfloat16, platform="gpu", **{**facts, "head_dim": 100}) == "xla"
+    # heads wider than 128 (MLA's 192, Gemma 3's 256): cuDNN's kernel on Hopper, which a planner on another
+    # machine names (this process's devices are CPUs: 128)
+    wide = {**facts, "head_dim": 192}
+    assert choose("auto", dtype=jnp.bfloat16, platform="gpu", **wide) == "xla"
+    assert choose("auto", dtype=jnp.bfloat16, platform="gpu", cudnn_head_dim=256, **wide) == "cudnn"
+    assert choose("auto", dtype=jnp.bfloat16, platform="gpu", cudnn_head_dim=256, **{**facts, "head_dim": 264}) == "xla"
     assert choose("auto", dtype=jnp.bfloat16, platform="tpu", **facts) == "pallas"
     assert choose("auto", dtype=jnp.bfloat16, platform="tpu", **{**facts, "seq_len": 1000}) == "xla"
     assert choose("pallas", dtype=jnp.float32, platform="cpu", **facts) == "pallas"  # interpret mode

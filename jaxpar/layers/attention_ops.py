@@ -188,9 +188,11 @@ def _cudnn_max_head_dim() -> int:
 
 
 def unsupported(kernel: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: int,
-                platform: str | None = None) -> str | None:
+                platform: str | None = None, cudnn_head_dim: int | None = None) -> str | None:
     """Why ``kernel`` cannot run this attention on this platform (None: it can). Shapes that only
-    the call knows (sequence lengths) are checked there."""
+    the call knows (sequence lengths) are checked there. ``cudnn_head_dim``: the largest head dim cuDNN's
+    kernel takes on the GPU meant (default: this process's first device's: 256 on Hopper and later, else
+    128), for a planner on another machine."""
     platform = platform or _platform()
     dtype = jnp.dtype(dtype)
     if kernel == "cudnn":
@@ -199,7 +201,7 @@ def unsupported(kernel: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: 
         if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             return (f"cuDNN flash attention has no {dtype.name} kernel; it needs model.compute_dtype=bfloat16 "
                     "(auto is bfloat16 on GPU)")
-        hmax = _cudnn_max_head_dim()
+        hmax = cudnn_head_dim or _cudnn_max_head_dim()
         if head_dim % 8 or head_dim > hmax:
             return f"cuDNN flash attention needs a head dim that is a multiple of 8 and <= {hmax}; got {head_dim}"
     if kernel == "pallas" and platform == "gpu" and n_kv_heads != n_heads:
@@ -209,13 +211,14 @@ def unsupported(kernel: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: 
 
 
 def choose(choice: str, *, dtype, head_dim: int, n_heads: int, n_kv_heads: int, platform: str | None = None,
-           seq_len: int | None = None) -> str:
+           seq_len: int | None = None, cudnn_head_dim: int | None = None) -> str:
     """The kernel ``model.attention=choice`` runs: ``auto`` picks; an explicit choice that cannot run
-    is a :class:`ConfigError` naming ``model.attention``."""
+    is a :class:`ConfigError` naming ``model.attention`` (``cudnn_head_dim``: :func:`unsupported`)."""
     if choice not in CHOICES:
         raise ConfigError(f"model.attention={choice!r} is not a valid choice; choose one of {', '.join(CHOICES)}")
     platform = platform or _platform()
-    facts = dict(dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, platform=platform)
+    facts = dict(dtype=dtype, head_dim=head_dim, n_heads=n_heads, n_kv_heads=n_kv_heads, platform=platform,
+                 cudnn_head_dim=cudnn_head_dim)
     if choice != "auto":
         why = unsupported(choice, **facts)
         if why:
