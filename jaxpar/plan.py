@@ -701,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="a YAML config (model, batch); its parallel keys are ignored")
     ap.add_argument("--cluster", default="h100x8", help=f"one of {', '.join(CLUSTERS)}")
     ap.add_argument("--nodes", type=COUNT, default=1, help="nodes of the cluster (>= 1)")
+    ap.add_argument("--per-node", type=COUNT, default=None,
+                    help="devices per node (>= 1; default: the cluster's, e.g. 8): 1 plans one GPU's remat and "
+                         "accumulation")
     ap.add_argument("--top", type=COUNT, default=10, help="layouts to print (>= 1)")
     ap.add_argument("--efficiency", type=number(float, EFFICIENCY), default=None,
                     help="fraction of peak the matmuls reach, in (0, 1] (default: the cluster's, 0.68 on GPUs: "
@@ -736,12 +739,14 @@ def main(argv: list[str] | None = None) -> int:
 
             jax.config.update("jax_platforms", "cpu")
             try:
-                request_cpu_devices(CLUSTERS[a.cluster].per_node * a.nodes)
+                request_cpu_devices((a.per_node or CLUSTERS[a.cluster].per_node) * a.nodes)
             except RuntimeError as e:  # JAX already started (main called from a process that used JAX)
                 raise ConfigError(f"--check: {e}") from None
         cfg = load_config(a.config, a.overrides)
         cfg = dataclasses.replace(cfg, parallel=type(cfg.parallel)())
         cluster, platform = CLUSTERS[a.cluster], "cpu" if a.cluster == "cpu" else "gpu"
+        if a.per_node:
+            cluster = cluster.with_(per_node=a.per_node, name=f"{cluster.name.split('x')[0]}x{a.per_node}")
         if a.calibrate:
             from jaxpar.plan_report import calibrate
 
@@ -762,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
             plain = max(rejected, key=lambda r: (r[0]["parallel.data"], -r[0]["parallel.zero"]))
             raise ConfigError(f"no layout of {planner.n} devices passes the checks (e.g. {describe(plain[0])}: "
                               f"{plain[1]})")
-        print(f"{len(ok)} layouts fit on {planner.n} devices ({a.nodes} x {a.cluster}), {len(rejected)} rejected; "
+        print(f"{len(ok)} layouts fit on {planner.n} device{'s' * (planner.n > 1)} ({a.nodes} x {cluster.name}), "
+              f"{len(rejected)} rejected; "
               "fastest first:")
         print(table(ok[: a.top]))
         print(LEGEND)

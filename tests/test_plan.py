@@ -197,6 +197,10 @@ def test_cli_prints_the_best_layout_and_an_impossible_request_is_one_line(capsys
     err = capsys.readouterr().err
     assert err.startswith("error: no layout of 8 devices fits 80 GiB per device: the smallest estimate is ")
     assert err.count("\n") == 1
+    # --per-node 1: one GPU, whose choices are the remat policy and accumulation
+    assert main(["--config", "configs/gpt2_124m.yaml", "--cluster", "h200x8", "--per-node", "1", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fit on 1 device (1 x h200x1)" in out and "one device" in out and "parallel.data=1 " in out
 
 
 # ``TINY`` by hand: L = 4 layers, d = 64, H = 8 heads and KV = 4 of hd = 8, SwiGLU d_ff = 192 (llama's default:
