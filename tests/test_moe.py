@@ -664,10 +664,18 @@ def test_sorted_dispatch_computes_the_routed_tokens_only():
     assert out["sorted"][1] * 8 < out["capacity"][1]
 
 
-def test_expert_parallel_rounds_equal_one_device_under_skewed_routing():
+@pytest.mark.parametrize("tiling", ["cpu", "gpu"])
+def test_expert_parallel_rounds_equal_one_device_under_skewed_routing(tiling, monkeypatch):
     """``exchanged_experts`` over expert=4 against ``sorted_experts`` on one device (itself checked against
     a float64 loop above), output and gradients, when 7/8 of the first choices go to the experts of one
-    device: with rounds of the balanced share (chunk=1) that device's peers need several rounds."""
+    device: with rounds of the balanced share (chunk=1) that device's peers need several rounds. ``gpu``:
+    the accelerators' tiles, 4 a loop step (a batched gather of the experts' weights inside shard_map)."""
+    from jaxpar.layers import moe_dispatch
+
+    if tiling == "gpu":
+        rows = moe_dispatch.tile_rows
+        monkeypatch.setattr(moe_dispatch, "tile_rows", lambda a, e, platform="cpu": rows(a, e, "gpu"))
+        monkeypatch.setattr(moe_dispatch, "tiles_per_step", lambda m, platform, w: 4)
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
