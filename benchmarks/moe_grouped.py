@@ -19,13 +19,15 @@ first variant's output and gradients (relative to their largest entry). The tile
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import write_jsonl  # noqa: E402
 
 from jaxpar.cli import ArgumentParser  # noqa: E402
 
@@ -131,10 +133,7 @@ def main(argv=None) -> int:
         results.append(r)
         print(f"  {v:18s} compile {r['compile_s']:5.1f} s | {1e3 * r['step_s']:8.2f} ms | {r['tflops']:6.1f} TFLOP/s | "
               f"temporaries {r['temp_bytes'] / 2**30:6.2f} GiB | max rel diff {r['max_rel_diff']:.1e}", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            for r in results:
-                fh.write(json.dumps(r) + "\n")
+    write_jsonl(args.json, results)
     return 0
 
 

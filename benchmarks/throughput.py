@@ -410,11 +410,15 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} layers {s:.2f}" for n, s in comp.items())
               + f"; {depths[-1]} / {depths[0]} = {ratio:.2f}", flush=True)
         results.append({"depth_compile_s": {str(k): v for k, v in comp.items()}, "depth_ratio": ratio})
-    if args.json:
-        with open(args.json, "w") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+    write_jsonl(args.json, results)
     return 0
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """``rows`` as JSON lines to ``path`` (``--json``; nothing when empty)."""
+    if path:
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":
