@@ -239,8 +239,8 @@ def profile_steps(steps: dict, out_dir: Path, n_steps: int) -> dict:
     return out
 
 
-def _fmt_profile(prof: dict, step_s: dict) -> str:
-    """The profile of each step: its kernel time against the step's untraced median ``step_s[name]``."""
+def _fmt_profile(prof: dict) -> str:
+    """The profile of each step: its kernel time against the step's untraced median (``step_s``)."""
     rows = []
     for name, p in prof.items():
         k = p["kernels"]
@@ -248,7 +248,7 @@ def _fmt_profile(prof: dict, step_s: dict) -> str:
             rows.append(f"  profile {name}: {p['wall_ms_per_step']:.1f} ms/step traced; no device plane in the trace "
                         f"(CPU): open {p['trace']} in TensorBoard or Perfetto")
             continue
-        ms = 1e3 * step_s[name]
+        ms = 1e3 * p["step_s"]
         rows.append(f"  profile {name}: device kernels {k['kernel_ms_per_step']:.1f} ms per step, "
                     f"{100 * k['kernel_ms_per_step'] / ms:.0f}% of the step's {ms:.1f} ms (traced: "
                     f"{p['wall_ms_per_step']:.1f} ms)")
@@ -285,7 +285,7 @@ def check_args(args, cases: list[str]) -> list[int]:
     return depths
 
 
-def run_case(case: str, args) -> dict:
+def run_case(case: str, args, index: int = 0) -> dict:
     import jax
 
     from jaxpar.config import load_config
@@ -322,13 +322,16 @@ def run_case(case: str, args) -> dict:
                    plain_mfu=per_device / plain_s / peak if peak else None, ratio_to_plain=step_s / plain_s)
     else:
         out["plain"] = note
-    tag = f"case{args.case_index}"
+    tag = f"case{index}"
     if args.hlo:
         Path(args.hlo).mkdir(parents=True, exist_ok=True)
         (Path(args.hlo) / f"{tag}.hlo.txt").write_text(trainer.hlo_text())
     if args.profile:
         steps = {f"{tag}-jaxpar": j["step"], **({f"{tag}-plain": plain["step"]} if plain else {})}
         out["profile"] = profile_steps(steps, Path(args.profile), args.profile_steps)
+        out["profile"][f"{tag}-jaxpar"]["step_s"] = step_s
+        if plain:
+            out["profile"][f"{tag}-plain"]["step_s"] = out["plain_step_s"]
     return out
 
 
@@ -387,9 +390,8 @@ def main(argv=None) -> int:
 
     results = []
     for i, case in enumerate(cases):
-        args.case_index = i
         try:
-            r = run_case(case, args)
+            r = run_case(case, args, i)
         except Exception as e:  # noqa: BLE001 - out of device memory: one line, the cases so far are printed
             from jaxpar.run import is_out_of_memory
 
@@ -401,8 +403,7 @@ def main(argv=None) -> int:
         results.append(r)
         print(_fmt(r), flush=True)
         if "profile" in r:
-            step_s = {f"case{i}-jaxpar": r["step_s"], f"case{i}-plain": r.get("plain_step_s", 0.0)}
-            print(_fmt_profile(r["profile"], step_s), flush=True)
+            print(_fmt_profile(r["profile"]), flush=True)
     if depths:
         comp = depth_scaling(depths, cases[0])
         ratio = comp[depths[-1]] / comp[depths[0]]

@@ -73,6 +73,7 @@ import numpy as np
 
 from jaxpar.hlo import wire_bytes
 from jaxpar.layers.moe import expert_capacity
+from jaxpar.layers.moe_dispatch import round_rows
 from jaxpar.layers.remat import KEPT
 from jaxpar.mesh import AXES
 
@@ -426,7 +427,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
             # the exchange rounds of [ep, c, d], c = ceil(cf k tokens / ep): forward rows out and results back;
             # the backward (sum_rounds' VJP) redoes a round's rows-out exchange and transposes both. One round
             # when the routing is balanced; XLA:CPU's static count holds round 0 and the loop's body once (two)
-            c = max(1, math.ceil(e.capacity_factor * e.top_k * tokens / ep - 1e-9))
+            c = round_rows(e.top_k * tokens, ep, e.capacity_factor)
             rounds = 2 if platform == "cpu" else 1
             # a policy that keeps the experts' matmul outputs (save_dots) recomputes nothing behind the exchange
             redo = 0 if {"mlp_up", "mlp_down"} <= set(kept) else moe_redo

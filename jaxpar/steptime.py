@@ -200,7 +200,7 @@ def tile_loop(cfg, sizes: dict, ru) -> int:
     the device's ``top_k x tokens`` assignments, with ``expert > 1`` the ``expert x ceil(capacity_factor x
     A / expert)`` rows of one exchange round, over its local experts, each expert's rows padded to
     :func:`~jaxpar.layers.moe_dispatch.tile_rows`; 0 without MoE layers or the sorted dispatch."""
-    from jaxpar.layers.moe_dispatch import tile_rows
+    from jaxpar.layers.moe_dispatch import round_rows, tile_count, tile_rows
 
     e = cfg.moe
     if cfg.model.arch != "moe" or e.dispatch_path() != "sorted":
@@ -208,10 +208,9 @@ def tile_loop(cfg, sizes: dict, ru) -> int:
     ep = sizes["expert"]
     rows = ru.layer_rows * ru.tl * e.top_k
     if ep > 1:
-        rows = ep * max(1, math.ceil(e.capacity_factor * rows / ep - 1e-9))
+        rows = ep * round_rows(rows, ep, e.capacity_factor)
     local = e.n_experts // ep
-    m = tile_rows(rows, local, "gpu")
-    return -(-(rows + local * (m - 1)) // m)
+    return tile_count(rows, local, tile_rows(rows, local, "gpu"))
 
 
 def moe_tiles(cfg, sizes: dict, ru, hw: Hardware, recompute_share: float) -> float:

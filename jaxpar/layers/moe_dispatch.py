@@ -50,6 +50,18 @@ def tile_rows(assignments: int, n_experts: int, platform: str = "cpu") -> int:
     return min(256, 1 << (mean - 1).bit_length())
 
 
+def tile_count(assignments: int, n_experts: int, m: int) -> int:
+    """Tiles of ``m`` rows that hold ``assignments`` rows of ``n_experts`` experts, each expert's rows padded
+    to a multiple of ``m``, whatever the routing: the padded buffer's static size."""
+    return -(-(assignments + n_experts * (m - 1)) // m)
+
+
+def round_rows(assignments: int, ep: int, chunk: float) -> int:
+    """Rows each device sends each of its ``ep`` peers per exchange round of :func:`exchanged_experts`:
+    ``chunk`` x the balanced share of its ``assignments``."""
+    return max(1, math.ceil(chunk * assignments / ep - 1e-9))
+
+
 def tiles_per_step(m: int, platform: str, expert_weights: int) -> int:
     """Tiles of ``m`` rows the tiled grouped matmul runs per loop step, as one batched matmul over their
     experts' weights: gathered (a copy of ``tiles x expert_weights``, ``d x (2) f + f x d`` each) and, in
@@ -101,7 +113,7 @@ def sorted_experts(x, experts, gates, w_in, w_out, kind: Kind, impl: str = "tile
         ends = jnp.cumsum(padded)
         se = flat[order]
         dest = (ends - padded)[se] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[se]   # row in the padded buffer
-        n_tiles = -(-(a + e * (m - 1)) // m)
+        n_tiles = tile_count(a, e, m)
         per = min(tiles_per_step(m, platform, fused.shape[1] * fused.shape[2] + w_out.shape[1] * w_out.shape[2]),
                   n_tiles)
         n_tiles = -(-n_tiles // per) * per     # whole steps: the last step's extra tiles hold zeros
@@ -213,7 +225,7 @@ def exchanged_experts(x, experts, gates, w_in, w_out, kind: Kind, *, axes: tuple
     sizes = jnp.bincount(flat, length=el * ep).astype(jnp.int32).reshape(ep, el)   # to device j, its expert i
     recv = jax.lax.all_to_all(sizes, axes, 0, 0, tiled=True)                     # from device j, my expert i
     send = jnp.sum(sizes, axis=1)
-    c = max(1, math.ceil(chunk * a / ep - 1e-9))
+    c = round_rows(a, ep, chunk)
     n = jax.lax.pmax(jnp.max((send + c - 1) // c), axes)
     plan = (jnp.cumsum(send) - send, send, jnp.cumsum(recv, axis=1))
 
