@@ -185,6 +185,7 @@ class Runs:
     flushes: int = 1  # 1F1B: the embedding's weight gradients taken in the loops (embed_chunk), per microstep
     zb: bool = False  # a zero-bubble schedule (zb_h1, zb_v): ``iters`` are its slots, in one loop
     sends: float = 0.0  # zero-bubble: the collective-permutes over pipe per microstep (see step_runs)
+    again: bool = True  # 1F1B / zero-bubble: a backward runs its chunk's forward again (parallel.stage_remat)
 
 
 def step_runs(cfg, sizes: dict, platform: str = "gpu") -> Runs:
@@ -211,12 +212,13 @@ def step_runs(cfg, sizes: dict, platform: str = "gpu") -> Runs:
     fwd_runs = bwd_runs = layer_runs
     # 1F1B: iterations, and those of the steady loop (a backward each); interleaved (R > 1) each runs a chunk
     f1b_iters, f1b_steady = mb_ * r_ + r_ * s_ + s_ - 2, mb_ * r_ + s_ - 1
+    again = par.stage_remat  # (parallel.stage_remat=false: the forward's residuals kept instead)
     if f1b:  # warm-up and steady-loop forwards, and the steady loop's recompute of the chunk for its backward
         bwd_runs = k * f1b_steady * lpg
-        fwd_runs = k * f1b_iters * lpg + bwd_runs
-    # remat's recompute of a layer in the backward; not with 1F1B's one-layer chunks: no scan separates it from the
-    # chunk's own recompute before it, and XLA merges the two (jax.checkpoint's prevent_cse=False)
-    redo_runs = bwd_runs if m.remat != "none" and not (f1b and lpg == 1) else 0
+        fwd_runs = k * f1b_iters * lpg + (bwd_runs if again else 0)
+    # remat's recompute of a layer in the backward; not with 1F1B's one-layer chunks run again: no scan separates
+    # it from the chunk's own recompute before it, and XLA merges the two (jax.checkpoint's prevent_cse=False)
+    redo_runs = bwd_runs if m.remat != "none" and not (f1b and again and lpg == 1) else 0
     # a MoE model's MoE-layer runs: one layer in `every` of the stack (all of it but the dense first layers)
     moe_runs = ((lambda runs: runs // every) if pipelined else
                 (lambda runs: runs * cfg.moe.groups(m.n_layers) // m.n_layers) if moe_model else (lambda runs: 0))
@@ -235,7 +237,7 @@ def step_runs(cfg, sizes: dict, platform: str = "gpu") -> Runs:
     return Runs(k, rows, layer_rows, m.seq_len // sizes["seq"], pipelined, f1b, mb_, iters, f1b_iters,
                 f1b_steady, lpg, lead, fwd_runs, bwd_runs, redo_runs, moe_fwd, moe_bwd, moe_redo,
                 f1b_steady / mb_ if f1b else 1.0, f1b_iters / mb_ if f1b else 1.0,
-                mb_ // embed_chunk(s_, mb_, r_) if f1b else 1)
+                mb_ // embed_chunk(s_, mb_, r_) if f1b else 1, again=f1b and again)
 
 
 def _zero_bubble_runs(cfg, sizes: dict, platform: str) -> Runs:
@@ -266,7 +268,7 @@ def _zero_bubble_runs(cfg, sizes: dict, platform: str) -> Runs:
     lpg = stage_layers(cfg, sizes)
     every, lead = (cfg.moe.every, cfg.moe.first_dense) if m.arch == "moe" else (1, 0)
     bwd = k * passes * lpg
-    fwd = k * passes * lpg + bwd  # F's, and B's forward again
+    fwd = k * passes * lpg + (bwd if par.stage_remat else 0)  # F's, and B's forward again
     redo = bwd if m.remat != "none" else 0
     moe_fwd, moe_bwd, moe_redo = fwd // every, bwd // every, redo // every
     if lead:  # the lead-in: in every F, and in every B (its forward again and its backward)
@@ -275,7 +277,7 @@ def _zero_bubble_runs(cfg, sizes: dict, platform: str) -> Runs:
         redo += k * passes * lead if m.remat != "none" else 0
     return Runs(k, rows, rows // mb_, m.seq_len // sizes["seq"], True, False, mb_, slots, slots, slots, lpg, lead,
                 fwd, bwd, redo, moe_fwd, moe_bwd, moe_redo, passes / mb_, passes / mb_,
-                mb_ // zb._embed_chunk(kind, s_, mb_), zb=True, sends=k * sends)
+                mb_ // zb._embed_chunk(kind, s_, mb_), zb=True, sends=k * sends, again=par.stage_remat)
 
 
 def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,
@@ -371,7 +373,7 @@ def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_
     # (its result feeds the MLP); the MLP-down one is the layer's output, which nothing recomputed needs
     recompute_ar = int("out_proj" not in kept)
     block_ar = 2 * fwd_runs + 2 * bwd_runs + recompute_ar * redo_runs  # attention-out and MLP-down, and transposes
-    if f1b and lpg == 1:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
+    if f1b and ru.again and lpg == 1:  # 1F1B's recompute of a one-layer chunk (no scan): its MLP-down result,
         block_ar -= k * f1b_steady  # the chunk's output, is unused by the backward and XLA drops its all-reduce
     shared = int(m.arch == "moe" and cfg.moe.shared_experts > 0)  # one fused MLP, however many experts
     hk, lk = k * head_runs, k * lookup_runs

@@ -498,11 +498,17 @@ class Planner:
 
             # the stash, one chunk's activations and working set, and the first stage's input gradients kept
             # for the embedding's weight gradient (C microbatches' of them)
-            act = ((min(m_ * r_, 2 * r_ * s_ - 1) + embed_chunk(s_, m_, r_)) * micro * d * ab
-                   + max(layers // r_ * micro * stored, lead * micro * lead_stored) + micro * working * wb)
+            # (parallel.stage_remat=false: the stash holds each chunk's residuals, what model.remat keeps, and the
+            # backward runs from them)
+            slots = min(m_ * r_, 2 * r_ * s_ - 1)
+            per_chunk = layers // r_ * micro * stored
+            act = ((slots * par.stage_remat + embed_chunk(s_, m_, r_)) * micro * d * ab
+                   + (0 if par.stage_remat else slots * per_chunk)
+                   + max(per_chunk * par.stage_remat, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
-            act = self._zero_bubble_held(cfg, sizes, micro, ab) + (
-                max(layers // par.pipeline_repeats * micro * stored, lead * micro * lead_stored) + micro * working * wb)
+            per_chunk = layers // par.pipeline_repeats * micro * stored
+            act = self._zero_bubble_held(cfg, sizes, micro, ab, per_chunk) + (
+                max(per_chunk * par.stage_remat, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
             act += 2 * tokens * d * ab + lead * held * lead_stored
@@ -521,14 +527,16 @@ class Planner:
                      "working": micro * working * wb}
         return act, logits, apart, per_token
 
-    def _zero_bubble_held(self, cfg: Config, sizes: dict, micro: float, ab: int) -> float:
+    def _zero_bubble_held(self, cfg: Config, sizes: dict, micro: float, ab: int, per_chunk: float) -> float:
         """What a zero-bubble grid's device holds between its passes (:func:`jaxpar.layers.zero_bubble.tables`'
         buffers, at their sizes for this S and M): chunk inputs (F to B), output cotangents (arrival to B) and
         the first chunk's input gradients kept for the embedding's weight gradient (C microbatches'), each a
         microbatch's ``[rows, T, d]``; and per microbatch between its B and its W every deferred matmul's input
         and output cotangent (:mod:`jaxpar.layers.wgrad`: the attention's and a dense MLP's projections; a MoE
         layer's experts and every kernel under Megatron-SP take their gradients in B), in the compute dtype (the
-        taps are the matmuls' operands and cotangents as B makes them)."""
+        taps are the matmuls' operands and cotangents as B makes them). With ``parallel.stage_remat=false``, in
+        each chunk input's slot also the chunk's residuals (``per_chunk`` bytes: what the remat policy keeps of
+        a microbatch's pass through the chunk) and its output."""
         from jaxpar import comm
         from jaxpar.layers import zero_bubble as zb
 
@@ -539,6 +547,8 @@ class Planner:
         c_ = zb._embed_chunk(par.pipeline_schedule, s_, m_)
         d = m.d_model
         held = (n["x"] + n["g"] + c_) * micro * d * ab
+        if not par.stage_remat:
+            held += n["x"] * (per_chunk + micro * d * ab)
         if par.megatron_sp and sizes["tensor"] > 1:
             return held
         t, hd = sizes["tensor"], m.head_dim
@@ -552,9 +562,9 @@ class Planner:
             per = lpg * attn + (lpg - moe_layers) * mlp
         else:
             per = lpg * (attn + mlp)
-        # the taps of n["w"] microbatches in their buffer, and three more in flight (measured on XLA:CPU's
-        # programs: B's output, the buffer slot selected before it is written, W's read of a slot)
-        return held + (n["w"] + 3) * micro * per * ab
+        # the taps of n["w"] microbatches in their buffer, and one more in flight (measured on XLA:CPU's
+        # programs: the switch's output, B's taps or the slot as it was, written after it)
+        return held + (n["w"] + 1) * micro * per * ab
 
     def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
         """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit

@@ -158,7 +158,8 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
     sparse = 2 * fl.layer_matmul_params(cfg, True) / t + attn if moe else dense
     tokens = ru.layer_rows * ru.tl  # per layer run
     n_moe_runs = (ru.moe_fwd, ru.moe_bwd, ru.moe_redo)
-    again = ru.f1b or ru.zb  # 1F1B and B of the zero-bubble grids run each stage's forward again for its backward
+    # 1F1B and B of the zero-bubble grids run each stage's forward again for its backward (parallel.stage_remat)
+    again = (ru.f1b or ru.zb) and ru.again
     f1b_redo = ru.bwd if again else 0.0
     fwd_runs = ru.fwd - f1b_redo
 
@@ -189,7 +190,7 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
         from jaxpar.layers import zero_bubble as zb
 
         w = 1 - attn / dense
-        costs = {"F": 1.0, "B": 1.0 + recompute_share + (2 - w) + (attn / dense if ring else 0.0), "W": w}
+        costs = {"F": 1.0, "B": float(again) + recompute_share + (2 - w) + (attn / dense if ring else 0.0), "W": w}
         bubble += (zb.stretch(cfg.parallel.pipeline_schedule, s_, ru.microbatches, costs) - 1) * (fwd + bwd + redo)
     return Flops(model=model, recompute=recompute, bubble=bubble, overhead=max(0.0, ideal - model),
                  forward=fwd, attention_fwd=tokens * attn * fwd_runs, backward=(bwd + redo) / ru.k)

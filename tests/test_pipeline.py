@@ -93,6 +93,30 @@ CASES = [
                        model__remat="full")),
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_repeats=2, parallel__microbatches=4,
                  parallel__pipeline_schedule="zb_v")),
+    # parallel.stage_remat=false: each backward from the residuals its forward kept (those of the weights alone
+    # computed again), under every schedule that runs its own backward, every remat policy's kind, with data,
+    # tensor (+ Megatron-SP, seq), ZeRO-1 + accumulation, MoE with capacity and sorted dispatch
+    ("gpt2", dict(parallel__pipe=2, parallel__microbatches=4, parallel__pipeline_schedule="1f1b",
+                  parallel__stage_remat=False, model__remat="none")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=4, parallel__data=2,
+                       parallel__tensor=2, parallel__pipeline_schedule="1f1b", parallel__stage_remat=False,
+                       model__remat="save_dots")),
+    ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__microbatches=4, parallel__pipeline_schedule="1f1b",
+                 parallel__stage_remat=False, model__remat="none")),
+    ("gpt2", dict(parallel__pipe=4, parallel__microbatches=8, parallel__data=2, parallel__pipeline_schedule="zb_h1",
+                  parallel__stage_remat=False, model__remat="none")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, parallel__zero=1, train__grad_accum=2,
+                       parallel__microbatches=4, parallel__pipeline_schedule="zb_h1", parallel__stage_remat=False,
+                       model__remat="full")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2, parallel__megatron_sp=True,
+                       parallel__seq_attention="ulysses", parallel__pipeline_schedule="zb_h1",
+                       parallel__stage_remat=False)),
+    ("moe_every2", dict(parallel__pipe=2, parallel__data=2, parallel__microbatches=8, moe__dropless=True,
+                        moe__dispatch="sorted", parallel__pipeline_schedule="zb_h1", parallel__stage_remat=False,
+                        model__remat="none")),
+    ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=8, parallel__tensor=2,
+                       parallel__data=2, parallel__pipeline_schedule="zb_v", parallel__stage_remat=False,
+                       model__remat="none")),
 ]
 # MoE through the pipeline: router losses weighted 0 (their batch-mean products change with the
 # microbatching); nothing drops (capacity factor E/k), so cross-entropy and gradients are exact.
@@ -268,6 +292,24 @@ def _stack_flops(**lay):
     return f[1] - f[0]
 
 
+@pytest.mark.parametrize("sched", ["1f1b", "zb_h1"])
+def test_a_backward_from_kept_residuals_runs_no_forward_again(sched):
+    """``parallel.stage_remat=false``: per device, the stack's matmul flops fall by exactly the forwards the
+    backwards ran again, one chunk's forward of one microbatch per backward slot of the loop: 1F1B's M + S - 1
+    steady iterations, ZB-H1's every one of its T slots (XLA:CPU's program holds every pass in every slot and
+    counts it so). One chunk's forward of one microbatch is 1/(M S) of the unpipelined stack's forward, itself
+    a third of that stack's matmul flops under ``remat=none`` (the backward's are two: the input's and the
+    weights')."""
+    from jaxpar.layers.zero_bubble import tables
+
+    s, m = 2, 2
+    lay = dict(parallel__pipe=s, parallel__microbatches=m, parallel__pipeline_schedule=sched, model__remat="none")
+    saved = _stack_flops(**lay) - _stack_flops(**lay, parallel__stage_remat=False)
+    runs = m + s - 1 if sched == "1f1b" else tables(sched, s, m)["slots"]
+    forward = _stack_flops(model__remat="none") / 3
+    assert abs(saved / forward - runs / (m * s)) < 1e-3, (saved / forward, runs / (m * s))
+
+
 @pytest.mark.parametrize("s, m, r", [(2, 2, 2)])
 def test_flops_follow_the_schedule(s, m, r):
     """Bubble iterations compute (on zeros): per device, the layer stack's matmul flops are
@@ -381,9 +423,11 @@ def test_stage_keeps_no_copy_of_its_weights_per_iteration(model):
         over = dict(model__d_model=256, model__n_heads=4, model__n_kv_heads=4, model__d_ff=1024,
                     model__compute_dtype="bfloat16")
     temp = {}
-    for sched, remat, m in (("gpipe", "none", 2), ("gpipe", "none", 8), ("1f1b", "none", 2), ("1f1b", "full", 2)):
+    for sched, remat, m in (("gpipe", "none", 2), ("gpipe", "none", 8), ("1f1b", "none", 2), ("1f1b", "full", 2),
+                            ("1f1b-kept", "none", 2)):
         t = trainer(config("llama", **over, model__n_layers=4, model__seq_len=16, parallel__data=2, parallel__pipe=2,
-                           parallel__microbatches=m, parallel__pipeline_schedule=sched, model__remat=remat,
+                           parallel__microbatches=m, parallel__pipeline_schedule=sched.split("-")[0],
+                           model__remat=remat, parallel__stage_remat=not sched.endswith("kept"),
                            train__batch_size=16 if sched == "gpipe" else 4), 4)
         temp[sched, remat, m] = t.compile()["memory"]["temp_size"]
     stage = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # the stage's stacked matrices
@@ -391,6 +435,11 @@ def test_stage_keeps_no_copy_of_its_weights_per_iteration(model):
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()}, f"stage {stage / 2**20:.2f} MiB")
     assert temp["gpipe", "none", 8] - temp["gpipe", "none", 2] < stage / 4, temp
     assert temp["1f1b", "none", 2] - temp["1f1b", "full", 2] < stage / 4, temp
+    # parallel.stage_remat=false: the stash's 3 slots hold the residuals that depend on the microbatch only, the
+    # selected, cast weights among them computed again in the backward (jaxpar.layers.residuals): a copy of the
+    # weights per slot would add 3 stages; the activations of 3 microbatches add less than half of one (MoE: 2.2
+    # MiB against the stage's 6.1, its experts' capacity buffers)
+    assert temp["1f1b-kept", "none", 2] - temp["1f1b", "none", 2] < stage / 2, temp
 
 
 def test_schedule_chart(tmp_path):
@@ -426,6 +475,9 @@ def test_schedule_chart(tmp_path):
     (dict(**L4, parallel__pipeline_schedule="1f1b"),
      "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
     (dict(**L4, parallel__pipe=2, parallel__pipeline_schedule="pipedream"), "parallel.pipeline_schedule"),
+    (dict(**L4, parallel__pipe=2, parallel__stage_remat=False),
+     "parallel.stage_remat=false has no effect with parallel.pipeline_schedule=gpipe"),
+    (dict(**L4, parallel__stage_remat=False), "parallel.stage_remat=false has no effect with parallel.pipe=1"),
 ])
 def test_bad_pipeline_input(layout, needle):
     with pytest.raises(ConfigError) as e:

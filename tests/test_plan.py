@@ -31,6 +31,13 @@ LAYOUTS = [  # every strategy alone and combined on 8 devices: 17 layouts, and a
     ("gpt", dict(data=2, pipe=4, microbatches=8, pipeline_schedule="zb_h1")),
     ("gpt", dict(data=4, pipe=2, pipeline_repeats=2, microbatches=4, pipeline_schedule="zb_v")),
     ("moe", dict(pipe=2, expert=2, tensor=2, microbatches=4, pipeline_schedule="zb_h1")),
+    # parallel.stage_remat=false: the forwards' residuals kept from F to B (each layer's input under remat full),
+    # the forward not run again (its collectives once)
+    ("gpt", dict(data=2, pipe=2, tensor=2, zero=1, microbatches=4, pipeline_schedule="1f1b", stage_remat=False)),
+    ("gpt", dict(data=2, pipe=2, pipeline_repeats=2, tensor=2, microbatches=4, pipeline_schedule="1f1b",
+                 stage_remat=False)),
+    ("gpt", dict(data=2, pipe=2, tensor=2, microbatches=4, pipeline_schedule="zb_h1", stage_remat=False)),
+    ("gpt", dict(data=4, pipe=2, pipeline_repeats=2, microbatches=4, pipeline_schedule="zb_v", stage_remat=False)),
 ]
 FIVE = dict(data=2, pipe=2, expert=2, seq=2, tensor=2, microbatches=2)
 FIVE_AXES = [("gpt", dict(FIVE, seq_attention="ring")),

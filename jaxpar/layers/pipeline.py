@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.layers.loss import min_chunks
 from jaxpar.layers.onstage import only_where
+from jaxpar.layers.residuals import Residuals
 from jaxpar.partitioning import RuleSet, active_rules, constrain, use_rules
 
 
@@ -328,7 +329,8 @@ def _used_leaves(fn, leaves: list, treedef, *args) -> list[int]:
 
 
 def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
-                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1, rows=None, lead_fn=None):
+                stages: int, microbatches: int, primal, ys_weights=None, repeats: int = 1, rows=None, lead_fn=None,
+                stage_remat: bool = True):
     """Loss and gradients of a pipelined model with the 1F1B schedule (one forward, one backward).
 
     ``first_fn(outer, tokens_mb) -> x_mb`` (embedding), ``stage_fn(group, x_mb) -> y_mb`` (one stage's
@@ -404,9 +406,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
         s = jax.lax.axis_index("pipe")
         outer_ = jax.tree.unflatten(o.outer_def, o_leaves)
+        res = None if stage_remat else Residuals(
+            lambda kn, x: jax.vjp(lambda p, x: stage(p, x, kn[1], kn[2]), kn[0], x),
+            (list(p_leaves), jnp.zeros((), jnp.int32), _take(rws, 0)), jax.ShapeDtypeStruct(x0.shape, x0.dtype))
         c = dict(
             fwd=jnp.zeros(x0.shape, x0.dtype), bwd=jnp.zeros(x0.shape, x0.dtype),
-            stash=jnp.zeros((k_, *x0.shape), x0.dtype), dins=jnp.zeros((c_, *x0.shape), x0.dtype),
+            stash=(jnp.zeros((k_, *x0.shape), x0.dtype) if stage_remat else
+                   [jnp.zeros((k_, *a.shape), a.dtype) for a in res.kept]),
+            dins=jnp.zeros((c_, *x0.shape), x0.dtype),
             dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves], douter=o.zero_grads(o_leaves),
             loss=jnp.zeros((), jnp.float32),
             ys=(jax.tree.map(lambda y: jnp.zeros((r_, *y.shape), jnp.float32), ys_shape) if has_ys else None),
@@ -420,9 +427,13 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             f_ok = (t - s >= 0) & (t - s < m_ * r_)
             fm, fr = _f1b_unslot(k, s_, r_)
             x = o.stage_input(outer_, toks, fm, (s == 0) & (fr == 0), f_ok, c["fwd"])
-            y = stage(p_leaves, x, fr, _take(rws, fm))
+            if stage_remat:
+                y = stage(p_leaves, x, fr, _take(rws, fm))
+                c["stash"] = _put(c["stash"], x, k % k_, f_ok)
+            else:  # the forward's residuals kept for the backward (the stage not run again)
+                y, kept = res.forward((list(p_leaves), fr, _take(rws, fm)), x)
+                c["stash"] = [_put(buf, v, k % k_, f_ok) for buf, v in zip(c["stash"], kept)]
             y, ys = y if has_ys else (y, None)
-            c["stash"] = _put(c["stash"], x, k % k_, f_ok)
             if has_ys:
                 c["ys"] = jax.tree.map(lambda a, v: a.at[fr].add(jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0)),
                                        c["ys"], ys)
@@ -442,10 +453,14 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                 g = c["bwd"]
             else:
                 g = o.loss_cotangent(c, o_leaves, y, tgts, bmm, last, last & b_ok, c["bwd"])
-            x = jax.lax.dynamic_index_in_dim(c["stash"], _f1b_slot(bmm, br, s_, r_) % k_, 0, keepdims=False)
-            # the chunk's forward again (its remat policy)
+            at = _f1b_slot(bmm, br, s_, r_) % k_
             bm_rows = _take(rws, bmm)
-            out, pullback = jax.vjp(lambda p, x: stage(p, x, br, bm_rows), p_leaves, x)
+            if stage_remat:  # the chunk's forward again (its remat policy)
+                x = jax.lax.dynamic_index_in_dim(c["stash"], at, 0, keepdims=False)
+                out, pullback = jax.vjp(lambda p, x: stage(p, x, br, bm_rows), p_leaves, x)
+            else:
+                out = (None, ys_shape)
+                pullback = res.pullback((list(p_leaves), br, bm_rows), _take(c["stash"], at))
             dgroup, dx = pullback(o.output_cotangent(out, g))
             c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
             dx = o.lead_backward(c, o_leaves, toks, bmm, (s == 0) & (br == 0) & b_ok, jnp.where(b_ok, dx, 0))
@@ -474,7 +489,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                     c, y = forward(t, c)
                 if do_b:
                     c, dx = backward(t, c, y)
-                c = dict(c, stash=constrain(c["stash"], (None, *act)))
+                if stage_remat:
+                    c = dict(c, stash=constrain(c["stash"], (None, *act)))
                 if do_b:
                     c["dins"] = constrain(c["dins"], (None, *act))
                 if do_f:

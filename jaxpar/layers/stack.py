@@ -292,13 +292,13 @@ class Stack:
         if schedule in ZERO_BUBBLE:
             loss, ys = zero_bubble_loss(schedule, stage_fn, first_fn, last_fn, state, outer, tokens, targets,
                                         stages=s_, microbatches=m_, primal=primal, ys_weights=weights, rows=rows,
-                                        lead_fn=lead_fn)
+                                        lead_fn=lead_fn, stage_remat=rules.parallel.stage_remat)
         elif schedule != "1f1b":
             loss, ys = primal(state, outer, tokens, targets, rows)
         else:
             loss, ys = one_f_one_b(stage_fn, first_fn, last_fn, state, outer, tokens, targets, stages=s_,
                                    microbatches=m_, repeats=r_, primal=primal, ys_weights=weights, rows=rows,
-                                   lead_fn=lead_fn)
+                                   lead_fn=lead_fn, stage_remat=rules.parallel.stage_remat)
         return loss, _in_layer_order(ys, order)
 
 

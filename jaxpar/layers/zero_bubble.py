@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.layers.pipeline import peak_held
+from jaxpar.layers.residuals import Residuals
 from jaxpar.partitioning import constrain
 
 KINDS = ("zb_h1", "zb_v")
@@ -321,7 +322,7 @@ def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False
 
 
 def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, tokens, targets, *, stages: int,
-                     microbatches: int, primal, ys_weights=None, rows=None, lead_fn=None):
+                     microbatches: int, primal, ys_weights=None, rows=None, lead_fn=None, stage_remat: bool = True):
     """Loss and gradients of a pipelined model under ``kind`` (``zb_h1``, or ``zb_v`` with the layers stored
     for it, two chunks per stage; arguments and results as :func:`~jaxpar.layers.pipeline.one_f_one_b`).
 
@@ -374,65 +375,98 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
         kernel_at = wgrad.kernel_leaves(jax.tree.unflatten(o.treedef, list(p_leaves)), found)
         taps0 = wgrad.zero_taps(found, lg)
         sz = tab["sizes"]
+
+        def split_vjp(kn, x):  # B's vjp (its kernels' weight gradients deferred), its output y kept for the loss
+            out, pullback = wgrad.vjp(lambda p, x: stage(p, x, kn[1], kn[2]), found, lg, kn[0], x)
+            return out, (pullback, (out[0] if has_ys else out).astype(x0.dtype))
+
+        res = None if stage_remat else Residuals(split_vjp, (list(p_leaves), jnp.zeros((), jnp.int32), _take(rws, 0)),
+                                                 act)
         c = dict(
             x=jnp.zeros((sz["x"], *x0.shape), x0.dtype), g=jnp.zeros((sz["g"], *x0.shape), x0.dtype),
+            kept=None if stage_remat else [jnp.zeros((sz["x"], *a.shape), a.dtype) for a in res.kept],
             w=jax.tree.map(lambda a: jnp.zeros((sz["w"], *a.shape), a.dtype), taps0),
             dins=jnp.zeros((c_, *x0.shape), x0.dtype),
             dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves], douter=o.zero_grads(o_leaves),
             loss=jnp.zeros((), jnp.float32),
             ys=(jax.tree.map(lambda y: jnp.zeros((n_local, *y.shape), jnp.float32), ys_shape) if has_ys else None),
         )
-        zero = jnp.zeros(x0.shape, x0.dtype)
+        # The large buffers (B's taps, the residuals F keeps, the stage's weight gradients) are read in the
+        # passes and written after the switch: each pass returns what it writes into them (a pass that writes
+        # nothing, the slot as it was; no gradient: zeros). Written inside the branches, XLA:CPU copies such a
+        # buffer at every slot (the branches that leave it as it is pass it through) and keeps the copy: 20 MiB
+        # more on the MaxText layout's ZB-H1.
+        held = {"w": "w", "kept": "x"} if not stage_remat else {"w": "w"}  # a buffer -> the slot it is written at
+
+        def writes(c, a, **new):
+            got = {k: new[k] if k in new else _take(c[k], a[at]) for k, at in held.items()}
+            got["dgroups"] = new.get("dgroups") or [jnp.zeros(v.shape, v.dtype) for v in p_leaves]
+            return got
 
         def idle(c, a):
-            return c, zero
+            return c, jnp.zeros(x0.shape, x0.dtype), writes(c, a)
 
         def forward(c, a):
             c = dict(c)
             first = a["first"] > 0
             x = o.stage_input(outer_, toks, a["m"], first, first, _take(c["x"], a["x"]))
             c["x"] = _put(c["x"], x, a["x"], first)  # the first chunk's input, kept for its B
-            y = stage(p_leaves, x, a["loc"], _take(rws, a["m"]))
+            new = {}
+            if stage_remat:
+                y = stage(p_leaves, x, a["loc"], _take(rws, a["m"]))
+            else:  # its residuals kept for its B (in the input's slot), which does not run the chunk again
+                y, new["kept"] = res.forward((list(p_leaves), a["loc"], _take(rws, a["m"])), x)
             y, ys = y if has_ys else (y, None)
             if has_ys:
                 c["ys"] = jax.tree.map(lambda acc, v: acc.at[a["loc"]].add(v.astype(jnp.float32) / m_), c["ys"], ys)
-            return c, y.astype(x0.dtype)
+            return c, y.astype(x0.dtype), writes(c, a, **new)
 
         def backward(c, a):
             c = dict(c)
             m, first, last = a["m"], a["first"] > 0, a["last"] > 0
-            x, rows_m = _take(c["x"], a["x"]), _take(rws, m)
-            out, pullback = wgrad.vjp(lambda p, x: stage(p, x, a["loc"], rows_m), found, lg, p_leaves, x)
-            y = (out[0] if has_ys else out).astype(x0.dtype)
+            rows_m = _take(rws, m)
+            if stage_remat:
+                out, (pullback, y) = split_vjp((list(p_leaves), a["loc"], rows_m), _take(c["x"], a["x"]))
+            else:
+                out = (None, ys_shape)
+                pullback, y = res.pullback((list(p_leaves), a["loc"], rows_m), _take(c["kept"], a["x"]))
             g = o.loss_cotangent(c, o_leaves, y, tgts, m, last, last, _take(c["g"], a["g"]))
             dgroup, dx, taps = pullback(o.output_cotangent(out, g))
-            c["dgroups"] = [acc + d.astype(acc.dtype) for acc, d in zip(c["dgroups"], dgroup)]
-            c["w"] = jax.tree.map(lambda buf, v: _put(buf, v, a["w"], True), c["w"], taps)
             dx = o.lead_backward(c, o_leaves, toks, m, first, dx)
             c["dins"] = _put(c["dins"], dx, m % c_, first)  # for the embedding's weight gradient (its W)
-            return c, dx
+            return c, dx, writes(c, a, w=taps, dgroups=[d.astype(v.dtype) for v, d in zip(p_leaves, dgroup)])
 
         def weights(c, a):
             c = dict(c)
-            grads = wgrad.weight_grads(found, jax.tree.map(lambda buf: _take(buf, a["w"]), c["w"]))
-            dgroups = list(c["dgroups"])
+            grads = wgrad.weight_grads(found, _take(c["w"], a["w"]))
+            dgroups = [jnp.zeros(v.shape, v.dtype) for v in p_leaves]
             for path, dk in grads.items():
                 i = kernel_at[path]
-                old = jax.lax.dynamic_slice_in_dim(dgroups[i], a["loc"] * lg, lg, 0)
-                dgroups[i] = jax.lax.dynamic_update_slice_in_dim(dgroups[i], old + dk.astype(old.dtype),
+                dgroups[i] = jax.lax.dynamic_update_slice_in_dim(dgroups[i], dk.astype(dgroups[i].dtype),
                                                                  a["loc"] * lg, 0)
-            c["dgroups"] = dgroups
             # the first chunk's W of every C-th microbatch: the embedding's weight gradient of the last C (their
             # Bs ran in order, each W right after its B on the first stage; one reduction over the batch axes)
             m = a["m"]
             c["douter"] = jax.lax.cond((a["first"] > 0) & (m % c_ == c_ - 1),
                                        lambda d: o.embed_grads(d, o_leaves, toks, c["dins"], m + 1 - c_, s == 0),
                                        lambda d: d, c["douter"])
-            return c, zero
+            return c, jnp.zeros(x0.shape, x0.dtype), writes(c, a, dgroups=dgroups)
+
+        big = (*held, "dgroups")
 
         def slot(c, row):
             a = {k: v[s] for k, v in row.items() if k not in ("pattern", "recv", "t")}
-            c, out = jax.lax.switch(a["op"], [idle, forward, backward, weights], c, a)
+
+            def run(pass_):  # the pass with the large buffers read-only (operands of the switch, not results)
+                def branch(small, a):
+                    c_, out, new = pass_({**small, **{k: c[k] for k in big}}, a)
+                    return {k: v for k, v in c_.items() if k not in big}, out, new
+                return branch
+
+            small, out, new = jax.lax.switch(a["op"], [run(f) for f in (idle, forward, backward, weights)],
+                                             {k: v for k, v in c.items() if k not in big}, a)
+            put = {k: jax.tree.map(functools.partial(_write, slot=a[at]), c[k], new[k]) for k, at in held.items()}
+            c = {**small, **put, "dgroups": [acc + d for acc, d in zip(c["dgroups"], new["dgroups"])]}
             out = constrain(out, ACT)
             _deliver(c, out, a, row, tab, s)
             return c, None
@@ -441,6 +475,10 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
         return o.finish(c, c["douter"])
 
     return o.differentiate(local, primal, ys_shape)
+
+
+def _write(buf, value, slot):
+    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
 
 
 def _deliver(c: dict, out, a: dict, row: dict, tab: dict, s) -> None:
