@@ -339,7 +339,10 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
     and keeps the input gradient for the embedding's weight gradient; W turns the kept pairs into the kernels'
     gradients, and the first chunk's W of every C-th microbatch takes the embedding's weight gradient of the
     last C (:func:`_embed_chunk`: C <= 2S where the grid allows, so that the kept input gradients do not grow
-    with M; one reduction over the batch axes per C microbatches). Held per device: the chunk inputs
+    with M; one reduction over the batch axes per C microbatches). With ``stage_remat=False``
+    (``parallel.stage_remat``) F keeps the residuals of B's ``jax.vjp`` (and its output, for the last
+    chunk's loss) in its input's slot and B runs from them, the chunk's forward not run again
+    (:class:`~jaxpar.layers.residuals.Residuals`). Held per device: the chunk inputs (and residuals)
     of its passes between F and B (``tables(...)["sizes"]["x"]``, S on ZB-H1's first stage) and the B
     taps of its passes between B and W (``["w"]``: every deferred matmul's input and output cotangent,
     a microbatch's activations of ``model.remat=none`` for each).
