@@ -176,7 +176,9 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     ``pipeline_repeats`` R (divisors of the stage's layers up to 4) and, for each k, the microbatch counts M
     from S up to one sequence per microbatch (S 2^i and the largest). ``phase="first"``: the few a first pass
     over every mesh tries (every ZeRO stage, remat none and full, 1F1B, R = 1 and the largest, the smallest and
-    largest M). ``schedules``: the pipeline schedules tried (``zb_h1`` with R = 1, ``zb_v`` with R = 2). With
+    largest M). ``schedules``: the pipeline schedules tried (``zb_h1`` with R = 1, ``zb_v`` with R = 2; the
+    schedules other than GPipe with ``parallel.stage_remat`` true and, but in the first phase and with remat
+    ``full``, false). With
     ``seq`` > 1, each context-parallel attention (``parallel.seq_attention``: ring, ulysses, all_gather) in
     both phases (a model whose heads ``seq`` does not split fails Ulysses' check)."""
     dp = sizes["data"] * sizes["expert"]
@@ -197,13 +199,20 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     from jaxpar.layers.context_parallel import STRATEGIES
 
     attns = STRATEGIES if sizes["seq"] > 1 else (None,)
-    for zero, remat, sp, (sched, r_), attn in itertools.product(zeros, remats, sps, runs, attns):
+    # a schedule that runs its own backward may keep its forwards' residuals (parallel.stage_remat=false): not
+    # with remat full, whose residuals are each layer's input and whose backward runs the layers again anyway
+    keeps = (True, False) if s_ > 1 and not first else (True,)
+    for zero, remat, sp, (sched, r_), attn, keep in itertools.product(zeros, remats, sps, runs, attns, keeps):
+        if not keep and (sched == "gpipe" or remat == "full"):
+            continue
         base = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": zero, "model.remat": remat,
                 "parallel.megatron_sp": sp}
         if attn is not None:
             base["parallel.seq_attention"] = attn
         if s_ > 1:
             base.update({"parallel.pipeline_schedule": sched, "parallel.pipeline_repeats": r_})
+        if not keep:
+            base["parallel.stage_remat"] = False
 
         def micro(k: int, base=base, r_=r_):
             """The microbatch counts of k accumulation microsteps."""
@@ -685,7 +694,8 @@ mem GiB: per-device memory estimate (state + activations + loss logits + update 
   fraction (S-1)/(M R+S-1), as the training log prints it; step s: estimated seconds per step (jaxpar.steptime:
   compute at --efficiency of peak, recompute, bubble, elementwise work, communication not overlapped; --explain
   prints the terms); MFU: model flops over peak at that step time; comm: GiB per device per step on the wire,
-  by the mesh axes a collective spans; k: accumulation microsteps; M: microbatches; R: chunks per stage."""
+  by the mesh axes a collective spans; k: accumulation microsteps; M: microbatches; R: chunks per stage; kept:
+  each backward runs from the residuals its forward kept, not the stage's forward again (parallel.stage_remat)."""
 
 
 def table(ests: list[Estimate], width: int = 120) -> str:

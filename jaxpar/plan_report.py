@@ -57,6 +57,7 @@ def _what_fits(planner, est) -> list[str]:
                 "parallel.microbatches": 0}
         flat.pop("parallel.pipeline_schedule", None)
         flat.pop("parallel.pipeline_repeats", None)
+        flat.pop("parallel.stage_remat", None)
         try:
             mem = planner.estimate(flat).memory["total"]
             why = "needed for memory" if mem > limit else "not needed for memory"
@@ -175,6 +176,8 @@ def describe(ov: dict) -> str:
         extra.append(ov["parallel.pipeline_schedule"])
     if ov.get("parallel.pipeline_repeats", 1) > 1:
         extra.append(f"R={ov['parallel.pipeline_repeats']}")
+    if ov.get("parallel.stage_remat") is False:
+        extra.append("kept")  # the forwards' residuals kept for the backwards (parallel.stage_remat=false)
     return f"{par} ({', '.join(extra)})"
 
 
