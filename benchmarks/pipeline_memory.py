@@ -11,6 +11,8 @@
    seq 16, pipe=2, 4 sequences per microbatch): GPipe keeps every microbatch, 1F1B at most 2S - 1,
    interleaved 1F1B at most 2RS - 1 chunk inputs, ZB-H1 at most S stage inputs and the deferred weight
    gradients' inputs of at most S microbatches.
+3. Both with ``parallel.stage_remat=false`` and ``model.remat=none`` ("kept": each backward from the residuals
+   its forward kept, no forward run twice; the zero-bubble paper's setting): 1F1B, ZB-H1 and ZB-V.
 
 Nothing is timed: the numbers are the compiler's buffer assignment, the same on any machine.
 """
@@ -31,6 +33,7 @@ MAXTEXT = {"model.style": "llama", "model.d_model": 256, "model.n_heads": 4, "mo
            "model.vocab_size": 8192, "model.tie_embeddings": False, "model.seq_len": 256, "model.remat": "full",
            "model.compute_dtype": "float32", "train.batch_size": 8, "parallel.pipe": 2, "parallel.data": 4,
            "parallel.tensor": 1, "parallel.microbatches": 2, "data.source": "synthetic"}
+KEPT = {"parallel.stage_remat": False, "model.remat": "none"}
 TINY = {"model.style": "llama", "model.n_layers": 4, "model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8,
         "model.d_ff": 128, "model.vocab_size": 250, "model.seq_len": 16, "parallel.pipe": 2, "parallel.data": 1,
         "parallel.tensor": 1, "data.source": "synthetic"}
@@ -66,18 +69,26 @@ def main(argv=None) -> int:
                                                     "parallel.pipeline_repeats": 2}),
                         ("1f1b, zero=1", {"parallel.pipeline_schedule": "1f1b", "parallel.zero": 1}),
                         ("zb_h1", {"parallel.pipeline_schedule": "zb_h1"}),
-                        ("zb_v", {"parallel.pipeline_schedule": "zb_v", "parallel.pipeline_repeats": 2})]:
+                        ("zb_v", {"parallel.pipeline_schedule": "zb_v", "parallel.pipeline_repeats": 2}),
+                        *((f"{n}, kept, remat none", {**o, **KEPT}) for n, o in (
+                            ("1f1b", {"parallel.pipeline_schedule": "1f1b"}),
+                            ("zb_h1", {"parallel.pipeline_schedule": "zb_h1"}),
+                            ("zb_v", {"parallel.pipeline_schedule": "zb_v", "parallel.pipeline_repeats": 2})))]:
         mem = memory({**MAXTEXT, **extra})
         out["maxtext"][name] = mem
-        print(f"  {name:22s} total {mem['total'] / MIB:7.1f} MiB  (arguments {mem['argument_size'] / MIB:.1f}, "
+        print(f"  {name:29s} total {mem['total'] / MIB:7.1f} MiB  (arguments {mem['argument_size'] / MIB:.1f}, "
               f"temporaries {mem['temp_size'] / MIB:.1f})")
     print("temporaries against M, 4 sequences per microbatch:")
-    for name, sched, r in (("gpipe", "gpipe", 1), ("1f1b", "1f1b", 1), ("interleaved 1f1b (R=2)", "1f1b", 2),
-                           ("zb_h1", "zb_h1", 1), ("zb_v", "zb_v", 2)):
+    for name, sched, r, extra in (("gpipe", "gpipe", 1, {}), ("1f1b", "1f1b", 1, {}),
+                                  ("interleaved 1f1b (R=2)", "1f1b", 2, {}), ("zb_h1", "zb_h1", 1, {}),
+                                  ("zb_v", "zb_v", 2, {}), ("1f1b, kept, remat none", "1f1b", 1, KEPT),
+                                  ("zb_h1, kept, remat none", "zb_h1", 1, KEPT),
+                                  ("zb_v, kept, remat none", "zb_v", 2, KEPT)):
         temps = {m: memory({**TINY, "parallel.microbatches": m, "parallel.pipeline_schedule": sched,
-                            "parallel.pipeline_repeats": r, "train.batch_size": 4 * m})["temp_size"] for m in (2, 16)}
+                            "parallel.pipeline_repeats": r, "train.batch_size": 4 * m, **extra})["temp_size"]
+                 for m in (2, 16)}
         out["microbatches"][name] = temps
-        print(f"  {name:22s} M=2 {temps[2] / MIB:6.2f} MiB   M=16 {temps[16] / MIB:6.2f} MiB   "
+        print(f"  {name:29s} M=2 {temps[2] / MIB:6.2f} MiB   M=16 {temps[16] / MIB:6.2f} MiB   "
               f"ratio {temps[16] / temps[2]:.2f}")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
