@@ -542,6 +542,32 @@ def test_zero_bubble_schedules_in_the_time_and_memory_models(capsys):
     assert capsys.readouterr().err == "error: --schedules 1f1b,zb: choose from gpipe, 1f1b, zb_h1, zb_v\n"
 
 
+def test_kept_residuals_in_the_time_and_memory_models():
+    """Megatron's 39.1B row (TP 8, PP 2, M = 48, remat none) with ``parallel.stage_remat=false``: the stage's
+    forward is not run again, so nothing is recomputed (remat none, no ring attention) where 1F1B and ZB-H1
+    otherwise recompute one chunk forward per backward, a third of the layers' work; the model flops are the
+    same; the stash holds each microbatch's activations as ``remat=none`` keeps them instead of its input
+    (more memory); the layers' tensor collectives of a forward run once less per backward: 1F1B's (M + 2S - 2)
+    + 2 (M + S - 1) layer passes become (M + 2S - 2) + (M + S - 1), ZB-H1's 3M become 2M."""
+    from jaxpar.plan import table
+
+    planner, est, _ = megatron_row(*MEGATRON[4])
+    s_, m_ = 2, 48
+    for sched in ("1f1b", "zb_h1"):
+        base = {**est.overrides, "model.remat": "none", "parallel.pipeline_repeats": 1,
+                "parallel.pipeline_schedule": sched}
+        again, kept = planner.estimate(base), planner.estimate({**base, "parallel.stage_remat": False})
+        assert again.budget["recompute"] > 0.2 * again.budget["compute"], sched
+        assert kept.budget["recompute"] == 0.0, sched
+        assert kept.budget["compute"] == pytest.approx(again.budget["compute"], rel=1e-9)
+        assert kept.memory["activations"] > again.memory["activations"], sched
+        passes = ((m_ + 2 * s_ - 2) + 2 * (m_ + s_ - 1), (m_ + 2 * s_ - 2) + (m_ + s_ - 1)) if sched == "1f1b" else (
+            3 * m_, 2 * m_)
+        assert kept.budget["comm tensor"] == pytest.approx(passes[1] / passes[0] * again.budget["comm tensor"],
+                                                           rel=0.02), sched
+        assert "kept" in table([kept]) and "kept" not in table([again])
+
+
 def test_explain_and_calibrate(tmp_path, capsys):
     """--explain says what each axis splits, what needs a memory saver, the links and the time by term for the
     first choice and the runner-up; --calibrate on a CPU run fits the cluster so that the run's layout is

@@ -45,6 +45,8 @@ MECHANISMS = {
     "pipeline-zero-bubble": "the zero-bubble grids and ZB-H1's executor (jaxpar/layers/zero_bubble.py, wgrad.py): "
                             "ZB-H1's deferred Ws, ZB-V's list schedule and memory bound, the passes' dependencies "
                             "and their timing, the buffer slots, the deferred weight gradients",
+    "pipeline-stage-remat": "parallel.stage_remat=false: the forwards' residuals kept for the backwards "
+                            "(jaxpar/layers/residuals.py, one_f_one_b, zero_bubble_loss)",
     "model-switches": "the latest families' switches: MLA and its compressed cache, dense first layers, attention "
                       "sinks, the clamped SwiGLU, router and expert biases, YaRN without truncation",
 }
@@ -479,7 +481,7 @@ MUTANTS = [
       '("seq",), 2 * (n - 1) * (fwd_runs', '("seq",), 2 * n * (fwd_runs',
       ["tests/test_comm.py::test_collectives_match_the_model[seq-ring]"]),
     M("cm-one-layer-chunks-recompute-twice", "comm-model", "jaxpar/comm.py",
-      'm.remat != "none" and not (f1b and lpg == 1) else 0', 'm.remat != "none" else 0',
+      'm.remat != "none" and not (f1b and again and lpg == 1) else 0', 'm.remat != "none" else 0',
       ["tests/test_comm.py::test_collectives_match_the_model[pipe-1f1b-one-layer-remat-sp-seq]"]),
     M("cm-moe-every-layer", "comm-model", "jaxpar/comm.py",
       "(lambda runs: runs * cfg.moe.groups(m.n_layers) // m.n_layers) if moe_model",
@@ -503,7 +505,7 @@ MUTANTS = [
       "(ru.flushes > 1 or (ru.zb and platform == \"cpu\")) and lookup", "ru.flushes > 1 and lookup",
       ["tests/test_comm.py::test_collectives_match_the_model[pipe-zb_h1]"]),
     M("mm-zb-taps-not-in-flight", "memory-model", "jaxpar/plan.py",
-      "(n[\"w\"] + 3) * micro * per * ab", "n[\"w\"] * micro * per * ab",
+      "(n[\"w\"] + 1) * micro * per * ab", "n[\"w\"] * micro * per * ab",
       ["tests/test_plan.py::test_model_matches_the_compiled_step[data2-pipe2-tensor2-zero1-microbatches4-"
        "pipeline_schedulezb_h1-gpt]"]),
     M("st-zb-bubble-as-lock-step-slots", "memory-model", "jaxpar/layers/zero_bubble.py",
@@ -546,7 +548,7 @@ MUTANTS = [
       ["tests/test_plan.py::test_none_keeps_every_intermediate_of_the_nonlinearity[gelu]",
        "tests/test_plan.py::test_shipped_configs_memory_against_the_compiled_step[default.yaml-cpu-1]"]),
     M("mm-lead-in-keeps-nothing", "memory-model", "jaxpar/plan.py",
-      "max(layers // r_ * micro * stored, lead * micro * lead_stored)", "layers // r_ * micro * stored",
+      "+ max(per_chunk * par.stage_remat, lead * micro * lead_stored)", "+ per_chunk * par.stage_remat",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
        "microbatches4-pipeline_schedule1f1b]"]),
     M("pp-lead-in-keeps-its-cast-weights", "memory-model", "models/moe.py",
@@ -572,13 +574,38 @@ MUTANTS = [
       ["tests/test_pipeline.py::test_loss_and_grads_match_single_device[gpt2-pipe=2-pipeline_repeats=2-"
        "pipeline_schedule=zb_v]"]),
     M("zb-w-adds-the-layers-once-too-many", "pipeline-zero-bubble", ZB,
-      "old + dk.astype(old.dtype)", "old + 2 * dk.astype(old.dtype)",
+      "dgroups[i], dk.astype(dgroups[i].dtype)", "dgroups[i], 2 * dk.astype(dgroups[i].dtype)",
       ["tests/test_pipeline.py::test_loss_and_grads_match_single_device[gpt2-pipe=2-pipeline_schedule=zb_h1]"]),
     M("wgrad-b-keeps-the-kernel-gradient", "pipeline-zero-bubble", "jaxpar/layers/wgrad.py",
       "    return vjp(dy)[0], None, (x, dy)",
       "    return vjp(dy)[0], jnp.einsum(spec.split('->')[0].split(',')[0] + ',' + spec.split('->')[1] + '->' + "
       "spec.split('->')[0].split(',')[1], x, dy), (x, dy)",
       ["tests/test_zero_bubble.py::test_b_and_w_add_up_to_the_backward[gpt2-over0]"]),
+    # parallel.stage_remat=false: the residuals kept from F to B
+    M("kept-weights-in-every-slot", "pipeline-stage-remat", "jaxpar/layers/residuals.py",
+      "self.depends = tuple(res_unknown)", "self.depends = tuple(True for _ in res_unknown)",
+      ["tests/test_pipeline.py::test_stage_keeps_no_copy_of_its_weights_per_iteration[bfloat16]"]),
+    M("kept-1f1b-backward-from-the-next-slot", "pipeline-stage-remat", PIPE,
+      'res.pullback((list(p_leaves), br, bm_rows), _take(c["stash"], at))',
+      'res.pullback((list(p_leaves), br, bm_rows), _take(c["stash"], (at + 1) % k_))',
+      [f"{PIPE_EQ}[gpt2-pipe=2-microbatches=4-pipeline_schedule=1f1b-stage_remat=False-at=none]"]),
+    M("kept-zb-residuals-in-the-taps-slot", "pipeline-stage-remat", ZB,
+      'held = {"w": "w", "kept": "x"}', 'held = {"w": "w", "kept": "w"}',
+      [f"{PIPE_EQ}[gpt2-pipe=4-microbatches=8-data=2-pipeline_schedule=zb_h1-stage_remat=False-at=none]"]),
+    M("kept-zb-last-chunk-loss-of-the-input", "pipeline-stage-remat", ZB,
+      "return out, (pullback, (out[0] if has_ys else out).astype(x0.dtype))",
+      "return out, (pullback, x.astype(x0.dtype))",
+      [f"{PIPE_EQ}[gpt2-pipe=4-microbatches=8-data=2-pipeline_schedule=zb_h1-stage_remat=False-at=none]"]),
+    M("kept-comm-forward-run-again", "comm-model", "jaxpar/comm.py",
+      "fwd_runs = k * f1b_iters * lpg + (bwd_runs if again else 0)", "fwd_runs = k * f1b_iters * lpg + bwd_runs",
+      ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
+    M("kept-time-recompute-anyway", "memory-model", "jaxpar/steptime.py",
+      "again = (ru.f1b or ru.zb) and ru.again", "again = ru.f1b or ru.zb",
+      ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
+    M("kept-memory-stash-of-inputs", "memory-model", "jaxpar/plan.py",
+      "+ (0 if par.stage_remat else slots * per_chunk)", "+ 0",
+      ["tests/test_plan.py::test_model_matches_the_compiled_step[data2-pipe2-tensor2-zero1-microbatches4-"
+       "pipeline_schedule1f1b-stage_rematFalse-gpt]"]),
     M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
       '            if sizes["pipe"] > 1:\n                layer -= per_device',
       '            if False:\n                layer -= per_device',
