@@ -393,6 +393,7 @@ class Planner:
         est.budget = steptime.step_time(cfg, sizes, terms, comm.step_runs(cfg, sizes), self.cluster, self.nodes,
                                         recompute_share=_recomputed(cfg), kernel=per_token["kernel"],
                                         kept_bytes=per_token["kept"], saved_bytes=per_token["saved"],
+                                        stored_bytes=per_token["stored"],
                                         opt_params=per_device("opt", 1), n_devices=self.n)
         est.step_seconds = est.budget["step"]
         est.comm_seconds = sum(v for k, v in est.budget.items() if k.startswith("comm "))
@@ -533,6 +534,7 @@ class Planner:
         from jaxpar.layers.remat import MATMULS
 
         per_token = {"kept": kept * ab, "saved": sum(named.get(x, 0.0) for x in MATMULS) * ab, "kernel": kernel,
+                     "stored": stored,
                      "working": micro * working * wb}
         return act, logits, apart, per_token
 

@@ -236,17 +236,21 @@ def bandwidth(hw: Hardware, label: str, sizes: dict, nodes: int) -> tuple[float,
 
 
 def step_time(cfg, sizes: dict, terms: list, ru, hw: Hardware, nodes: int, *, recompute_share: float,
-              kernel: str, kept_bytes: float, saved_bytes: float, opt_params: float, n_devices: int) -> dict:
+              kernel: str, kept_bytes: float, saved_bytes: float, opt_params: float, n_devices: int,
+              stored_bytes: float = 0.0) -> dict:
     """``{term: seconds}`` of one step (the module docstring), its sum under ``"step"``. ``kept_bytes``: what a
     layer writes per token without remat (the memory model's), ``saved_bytes``: what ``offload`` moves to the
-    host per token and layer, ``opt_params``: parameters in this device's optimizer shard."""
+    host per token and layer, ``stored_bytes``: what the remat policy keeps per token and layer (with
+    ``parallel.stage_remat=false`` copied into a pipeline stash's slot and out of it again),
+    ``opt_params``: parameters in this device's optimizer shard."""
     f = flops(cfg, sizes, ru, recompute_share, kernel, n_devices)
     rate = hw.peak_tflops * 1e12 * hw.efficiency
     out = {"compute": f.model / rate, "recompute": f.recompute / rate, "bubble": f.bubble / rate,
            "overhead": f.overhead / rate}
     tokens = ru.layer_rows * ru.tl
     passes = ru.fwd + 2 * ru.bwd + recompute_share * ru.redo  # a layer's bytes once per forward, twice per backward
-    out["memory"] = (tokens * passes * kept_bytes + 28 * opt_params) / (hw.hbm_gbs * 1e9)
+    stash = 2 * ru.bwd * stored_bytes if (ru.f1b or ru.zb) and not ru.again else 0.0  # kept residuals: in, out
+    out["memory"] = (tokens * (passes * kept_bytes + stash) + 28 * opt_params) / (hw.hbm_gbs * 1e9)
     out["moe tiles"] = moe_tiles(cfg, sizes, ru, hw, recompute_share)
     if cfg.model.resolved().remat == "offload":
         moved = 2 * tokens * ru.bwd * saved_bytes / (hw.host_gbs * 1e9)
