@@ -1,7 +1,7 @@
 """All five axes at once (data=2 x pipe=2 x expert=2 x seq=2 x tensor=2 = 32 simulated devices) give
 the loss and gradients of one device: the dense GPT (expert = extra data parallelism; ring
 attention; the GPipe schedule) and the MoE model (experts split over `expert`; Ulysses attention; the 1F1B
-schedule; router losses on: one device per microbatch). Runs in a subprocess that asks for 32 CPU devices.
+schedule, and ZB-H1 with the forwards' residuals kept; router losses on: one device per microbatch). Runs in a subprocess that asks for 32 CPU devices.
 Their collectives and memory against the analytic models: tests/test_plan.py's five-axes test."""
 
 from helpers import run_script
@@ -29,6 +29,13 @@ ref = per_microbatch_reference("llama_gqa", 2, **moe)
 got = first_step(cfg)
 check_moe_against_reference(cfg, got["loss"], got["aux"], got["grads"], ref)
 print("moe loss", got["loss"], ref[0])
+# the same under ZB-H1 with the forwards' residuals kept (B and W apart, no forward run twice)
+cfg = config("llama_gqa", parallel__data=2, parallel__pipe=2, parallel__expert=2, parallel__seq=2, parallel__tensor=2,
+             parallel__seq_attention="ulysses", parallel__pipeline_schedule="zb_h1", parallel__stage_remat=False,
+             parallel__microbatches=2, **moe)
+got = first_step(cfg)
+check_moe_against_reference(cfg, got["loss"], got["aux"], got["grads"], ref)
+print("moe zb_h1 kept loss", got["loss"], ref[0])
 print("five axes ok")
 """
 
