@@ -85,6 +85,9 @@ LAYOUTS = [
     ("llama_gqa", dict(parallel__seq=4, parallel__tensor=2, parallel__seq_attention="all_gather")),
     ("gpt2", dict(parallel__seq=2, parallel__data=2, parallel__seq_attention="ring")),  # learned positions
     ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_schedule="1f1b", parallel__microbatches=4)),
+    # ZB-H1 with the forwards' residuals kept: a microbatch's rows known again at its B (jaxpar.layers.residuals)
+    ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_schedule="zb_h1", parallel__microbatches=4,
+                       parallel__stage_remat=False)),
     ("gpt2", dict(parallel__pipe=2, parallel__data=2, parallel__microbatches=2)),  # GPipe, embedding in the pipeline
     ("llama_gqa", dict(model__n_layers=4, parallel__pipe=2, parallel__pipeline_schedule="1f1b",
                        parallel__pipeline_repeats=2, parallel__microbatches=2, parallel__tensor=2)),

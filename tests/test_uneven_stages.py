@@ -68,6 +68,12 @@ CASES = {  # (style, layers, layout): each schedule, with data / tensor / seq, e
                                          parallel__pipeline_schedule="zb_v")),
     "zb_v-9-pipe4": ("gpt2", 9, dict(parallel__pipe=4, parallel__pipeline_repeats=2, parallel__microbatches=8,
                                      parallel__data=2, parallel__pipeline_schedule="zb_v")),
+    # the forwards' residuals kept (parallel.stage_remat=false): a padding slot's residuals are the microbatch's too
+    "1f1b-5-tensor-kept": ("llama_gqa", 5, dict(parallel__pipe=2, parallel__tensor=2, parallel__microbatches=4,
+                                                parallel__pipeline_schedule="1f1b", parallel__stage_remat=False,
+                                                model__remat="none")),
+    "zb_v-7-windows-kept": ("gemma3", 7, dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=2,
+                                              parallel__pipeline_schedule="zb_v", parallel__stage_remat=False)),
 }
 
 
