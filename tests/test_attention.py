@@ -219,6 +219,33 @@ def test_cudnn_train_step_lowers_for_cuda(monkeypatch, layout, local):
     assert not re.search(r"tensor<\d+x\d+x(\d+x)*256x256x(f32|bf16)>", text)  # no [B, heads.., T, T] scores
 
 
+@pytest.mark.parametrize("sched", ["1f1b", "zb_h1"])
+def test_cudnn_kept_residuals_lower_for_cuda(monkeypatch, sched):
+    """A pipeline whose backwards run from the residuals their forwards kept (``parallel.stage_remat=false``)
+    through cuDNN's attention lowers for CUDA (checks patched as above): the residual split
+    (:mod:`jaxpar.layers.residuals`) goes through cuDNN's custom-partitioned calls, the program holds one fused
+    backward (10 operands for a forward, 13 for a backward, as XLA partitions them) and fewer fused forwards
+    than the same step running the stage's forward again in each backward (1F1B: its warm-up's, its steady
+    loop's and its backward's; ZB-H1: F's and B's), no score matrix."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(attention_ops, "_platform", lambda: "gpu")
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    operands = {}
+    for keep in (True, False):
+        cfg = config("llama_gqa", model__attention="cudnn", model__compute_dtype="bfloat16", model__seq_len=256,
+                     parallel__pipe=2, parallel__pipeline_schedule=sched, parallel__stage_remat=keep,
+                     model__remat="none")
+        t = trainer(cfg)
+        text = t._step_jit.trace(t.abstract_state, t.abstract_batch).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line.split("custom_call @")[1].split(")")[0] for line in text.splitlines()
+                 if "custom_call @CustomSPMDPartitioning" in line or "custom_call @__cudnn$fmha" in line]
+        operands[keep] = sorted(c.count("%") for c in calls)
+        assert not re.search(r"tensor<\d+x\d+x(\d+x)*256x256x(f32|bf16)>", text)
+    assert operands[False].count(13) == 1 and set(operands[False]) == {10, 13}, operands
+    assert operands[True].count(13) == 1 and operands[False].count(10) < operands[True].count(10), operands
+
+
 @pytest.mark.parametrize("over", [dict(model__global_every=0), {}], ids=["one-window", "per-layer-windows"])
 def test_cudnn_sliding_windows_lower_for_cuda(monkeypatch, over):
     """Sliding windows through cuDNN (lowered for CUDA; platform and version checks patched as above): a
