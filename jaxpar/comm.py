@@ -257,7 +257,8 @@ def _zero_bubble_runs(cfg, sizes: dict, platform: str) -> Runs:
     k = tr.grad_accum
     rows = tr.batch_size // k // (sizes["data"] * sizes["expert"])
     mb_ = par.microbatches or s_
-    tab = zb.tables(kind, s_, mb_)
+    lengths = zb.lengths_for(par.stage_remat)
+    tab = zb.tables(kind, s_, mb_, lengths=lengths)
     slots = tab["slots"]
     cpu = platform == "cpu"
     passes = slots if cpu else mb_ * r_  # of each kind (F, B, W), per microstep
@@ -277,7 +278,7 @@ def _zero_bubble_runs(cfg, sizes: dict, platform: str) -> Runs:
         redo += k * passes * lead if m.remat != "none" else 0
     return Runs(k, rows, rows // mb_, m.seq_len // sizes["seq"], True, False, mb_, slots, slots, slots, lpg, lead,
                 fwd, bwd, redo, moe_fwd, moe_bwd, moe_redo, passes / mb_, passes / mb_,
-                mb_ // zb._embed_chunk(kind, s_, mb_), zb=True, sends=k * sends, again=par.stage_remat)
+                mb_ // zb._embed_chunk(kind, s_, mb_, lengths), zb=True, sends=k * sends, again=par.stage_remat)
 
 
 def traffic(cfg, sizes: dict, leaves: list[Leaf], *, platform: str = "gpu", act_bytes: int = 4,

@@ -389,7 +389,8 @@ class Planner:
         if s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):  # the grid's slots over a stage's busy ones
             from jaxpar.layers import zero_bubble as zb
 
-            est.bubble = 1 / (1 - zb.idle_fraction(zb.schedule_zero_bubble(par.pipeline_schedule, s_, mb)))
+            est.bubble = 1 / (1 - zb.idle_fraction(zb.schedule_zero_bubble(par.pipeline_schedule, s_, mb,
+                                                                            zb.lengths_for(par.stage_remat))))
         est.budget = steptime.step_time(cfg, sizes, terms, comm.step_runs(cfg, sizes), self.cluster, self.nodes,
                                         recompute_share=_recomputed(cfg), kernel=per_token["kernel"],
                                         kept_bytes=per_token["kept"], saved_bytes=per_token["saved"],
@@ -553,9 +554,10 @@ class Planner:
 
         m, par = cfg.model.resolved(), cfg.parallel
         s_, m_ = sizes["pipe"], par.microbatches or sizes["pipe"]
-        tab = zb.tables(par.pipeline_schedule, s_, m_)
+        lengths = zb.lengths_for(par.stage_remat)
+        tab = zb.tables(par.pipeline_schedule, s_, m_, lengths=lengths)
         n = tab["sizes"]
-        c_ = zb._embed_chunk(par.pipeline_schedule, s_, m_)
+        c_ = zb._embed_chunk(par.pipeline_schedule, s_, m_, lengths)
         d = m.d_model
         held = (n["x"] + n["g"] + c_) * micro * d * ab
         if not par.stage_remat:

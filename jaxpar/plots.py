@@ -15,10 +15,12 @@ from jaxpar.layers.zero_bubble import idle_fraction, schedule_zero_bubble
 from jaxpar.layers.zero_bubble import in_flight as zb_in_flight
 
 
-def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path, kind: str = "gpipe") -> None:
+def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path, kind: str = "gpipe",
+                  lengths: tuple = (1.0, 1.0)) -> None:
     """Forward work of each stage per iteration, coloured by microbatch (hatched: later repeats);
     white cells are the bubble. ``kind="1f1b"``: forward (upper half, ``F``) and backward (lower half,
-    ``B``, hatched) cells of the 1F1B schedule (interleaved with ``repeats`` > 1: ``F m.chunk``)."""
+    ``B``, hatched) cells of the 1F1B schedule (interleaved with ``repeats`` > 1: ``F m.chunk``); the
+    zero-bubble ones in the order built for passes of ``lengths`` (B, W in forwards)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,7 +30,7 @@ def plot_schedule(stages: int, microbatches: int, repeats: int, path: str | Path
         _plot_1f1b(stages, microbatches, repeats, path)
         return
     if kind in ZERO_BUBBLE:
-        _plot_zero_bubble(kind, stages, microbatches, path)
+        _plot_zero_bubble(kind, stages, microbatches, path, lengths)
         return
     grid = schedule(stages, microbatches, repeats)
     iters = len(grid[0])
@@ -66,9 +68,10 @@ def _plot_1f1b(stages: int, microbatches: int, repeats: int, path: str | Path) -
                        f"at most {max(in_flight(stages, microbatches, repeats))} stage inputs in flight per stage")
 
 
-def _plot_zero_bubble(kind: str, stages: int, microbatches: int, path: str | Path) -> None:
+def _plot_zero_bubble(kind: str, stages: int, microbatches: int, path: str | Path,
+                      lengths: tuple = (1.0, 1.0)) -> None:
     """One pass per cell: zb_v's second chunk of a device (the way back up) labelled ``m'``."""
-    grid = schedule_zero_bubble(kind, stages, microbatches)
+    grid = schedule_zero_bubble(kind, stages, microbatches, tuple(lengths))
     name = {"zb_h1": "ZB-H1", "zb_v": "ZB-V (two chunks per stage, ' = the way back up)"}[kind]
     _plot_passes(grid, stages, path, halves=False, width=0.32, fontsize=6,
                  label=lambda op, m, r: f"{op}{m}" + ("'" if r else ""),

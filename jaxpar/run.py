@@ -75,6 +75,7 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
         return None
     from jaxpar.layers.pipeline import bubble_fraction, in_flight
     from jaxpar.layers.zero_bubble import describe as zb_describe
+    from jaxpar.layers.zero_bubble import lengths_for
     from jaxpar.plots import plot_schedule
 
     m, r = cfg.parallel.microbatches or stages, cfg.parallel.pipeline_repeats
@@ -90,12 +91,12 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
                 f"{m * r + r * stages + stages - 2} iterations, at most {max(in_flight(stages, m, r))} chunk inputs "
                 f"held per stage, bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
     elif kind in ("zb_h1", "zb_v"):  # logs its line; the bubble in slots of one pass
-        bubble = zb_describe(kind, stages, m, log)
+        bubble = zb_describe(kind, stages, m, log, lengths_for(cfg.parallel.stage_remat))
     else:
         log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "
             f"bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
     if out is not None:
-        plot_schedule(stages, m, r, out / "pipeline_schedule.png", kind)
+        plot_schedule(stages, m, r, out / "pipeline_schedule.png", kind, lengths_for(cfg.parallel.stage_remat))
     return bubble
 
 

@@ -191,7 +191,9 @@ def flops(cfg, sizes: dict, ru, recompute_share: float, kernel: str, n_devices: 
 
         w = 1 - attn / dense
         costs = {"F": 1.0, "B": float(again) + recompute_share + (2 - w) + (attn / dense if ring else 0.0), "W": w}
-        bubble += (zb.stretch(cfg.parallel.pipeline_schedule, s_, ru.microbatches, costs) - 1) * (fwd + bwd + redo)
+        lengths = zb.lengths_for(cfg.parallel.stage_remat)  # the lengths the order is built for
+        bubble += (zb.stretch(cfg.parallel.pipeline_schedule, s_, ru.microbatches, costs, lengths) - 1) * (
+            fwd + bwd + redo)
     return Flops(model=model, recompute=recompute, bubble=bubble, overhead=max(0.0, ideal - model),
                  forward=fwd, attention_fwd=tokens * attn * fwd_runs, backward=(bwd + redo) / ru.k)
 

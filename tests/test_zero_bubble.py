@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from helpers import config, trainer
-from jaxpar.layers.zero_bubble import (BWD, FWD, IDLE, KINDS, SENDS, WGT, idle_fraction, in_flight,
-                                       schedule_zero_bubble, tables)
+from jaxpar.layers.zero_bubble import (BWD, FWD, IDLE, KINDS, SENDS, WGT, idle_fraction, in_flight, lengths_for,
+                                       schedule_zero_bubble, stretch, tables)
 
 
 def check_grid(kind: str, grid, stages: int, microbatches: int) -> dict:
@@ -84,7 +84,17 @@ def test_executor_program_replays_the_grid(kind, stages, microbatches, forward_o
     grid predecessor wrote into the slot it names (a chunk input from the F before it, or the embedding; an
     output cotangent from the next chunk's B; a B's taps for the W), nothing is overwritten before it is read,
     and each chunk output crosses to its neighbour stage once (sent by the pattern of its slot)."""
-    tab = tables(kind, stages, microbatches, forward_only)
+    replay(tables(kind, stages, microbatches, forward_only), kind, stages, microbatches, forward_only)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(4, 8), (2, 4), (3, 7), (4, 16)])
+def test_executor_program_replays_the_order_built_for_b_twice_f(stages, microbatches):
+    """The same replay for ZB-V's order built for B = 2F (parallel.stage_remat, the default)."""
+    replay(tables("zb_v", stages, microbatches, lengths=lengths_for(True)), "zb_v", stages, microbatches, False)
+
+
+def replay(tab: dict, kind: str, stages: int, microbatches: int, forward_only: bool) -> None:
+    """Replays the executor's tables ``tab`` (test_executor_program_replays_the_grid)."""
     n = stages if kind == "zb_h1" else 2 * stages
     dev = [c if kind == "zb_h1" or c < stages else 2 * stages - 1 - c for c in range(n)]
     bufs = {b: [[None] * tab["sizes"][b] for _ in range(stages)] for b in ("x", "g", "w")}
@@ -153,7 +163,7 @@ def test_zero_bubble_crosses_pipe_once_per_activation_and_gradient(kind):
         return [i for c in names for i in comps[c] if i.opcode.removesuffix("-start") == "collective-permute"]
 
     assert not permutes(always)
-    tab = tables(kind, s_, m_)
+    tab = tables(kind, s_, m_, lengths=lengths_for(cfg.parallel.stage_remat))  # (ZB-V: its order for B = 2F)
     compiled = []
     for _, branches in conds:
         per = [permutes(b) for b in branches]
@@ -302,3 +312,27 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
     for m in (2, 8):
         assert temp["zb_h1", m] <= 1.15 * temp["1f1b", m], temp
         assert temp["zb_v", m] <= 1.15 * temp["1f1b", m], temp
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zb_v_order_built_for_the_passes_lengths(stages, microbatches):
+    """ZB-V's order for a B twice as long as F (it runs its chunk's forward again: ``parallel.stage_remat``, the
+    default) and W as long as F: every pass once, after what it needs, one per stage and slot; at most 2S chunk
+    inputs held per stage, as the paper's order; and, timed with those lengths, a stage's time stretched less
+    by the bubble than ZB-H1's and than 1F1B's ((M + S - 1) / M, in forward + backward time), where the order
+    built for equal passes is stretched more than ZB-H1's. With equal lengths the order is the paper's: its
+    grid has 6M + S - 1 slots where S divides M."""
+    s_, m_ = stages, microbatches
+    lengths = lengths_for(True)
+    assert lengths == (2.0, 1.0) and lengths_for(False) == (1.0, 1.0)
+    grid = schedule_zero_bubble("zb_v", s_, m_, lengths)
+    check_grid("zb_v", grid, s_, m_)
+    assert max(in_flight(grid)) <= 2 * s_
+    assert len(schedule_zero_bubble("zb_v", s_, m_)[0]) == 6 * m_ + s_ - 1
+    costs = {"F": 1.0, "B": 2.0, "W": 1.0}
+    built = stretch("zb_v", s_, m_, costs, lengths)
+    h1 = stretch("zb_h1", s_, m_, costs)
+    assert built < h1 < (m_ + s_ - 1) / m_, (built, h1)
+    assert stretch("zb_v", s_, m_, costs) > h1
+    print(f"S={s_} M={m_}: built for B = 2F {built:.3f}, for equal passes {stretch('zb_v', s_, m_, costs):.3f}, "
+          f"ZB-H1 {h1:.3f}, 1F1B {(m_ + s_ - 1) / m_:.3f}")

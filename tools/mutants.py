@@ -581,6 +581,9 @@ MUTANTS = [
       "    return vjp(dy)[0], jnp.einsum(spec.split('->')[0].split(',')[0] + ',' + spec.split('->')[1] + '->' + "
       "spec.split('->')[0].split(',')[1], x, dy), (x, dy)",
       ["tests/test_zero_bubble.py::test_b_and_w_add_up_to_the_backward[gpt2-over0]"]),
+    M("zb-v-order-for-equal-passes-anyway", "pipeline-zero-bubble", ZB,
+      "end[op] = free[d] = t0 + cost[op[0]]", "end[op] = free[d] = t0 + 1.0",
+      ["tests/test_zero_bubble.py::test_zb_v_order_built_for_the_passes_lengths[4-8]"]),
     # parallel.stage_remat=false: the residuals kept from F to B
     M("kept-weights-in-every-slot", "pipeline-stage-remat", "jaxpar/layers/residuals.py",
       "self.depends = tuple(res_unknown)", "self.depends = tuple(True for _ in res_unknown)",

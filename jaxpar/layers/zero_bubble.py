@@ -17,7 +17,10 @@ T_B = T_W), 1F1B runs F and then B + W as one pass: its S - 1 slots of warm-up a
   passes. The order is a list schedule: at each slot a device takes an F if one is ready and it holds
   fewer than 2S chunk inputs (S stage inputs, 1F1B's first stage's), the later chunk's first, else a B
   (the later chunk's first), else the oldest pending W. 6M + S - 1 slots where M is a multiple of S
-  (the bound: the last device starts S - 1 slots late), idle (S-1)/(6M+S-1).
+  (the bound: the last device starts S - 1 slots late), idle (S-1)/(6M+S-1). The order is built in time
+  for the passes' lengths (:func:`lengths_for`): equal, the paper's; with a B that runs its chunk's forward
+  again (``parallel.stage_remat``, B = 2F), the same priorities taken as the passes end, which waits less
+  for the Bs coming back up the V (:func:`_list_schedule`).
 
 Each grid is timed as soon as possible from the stages' orders (:func:`time_orders`): a pass runs in
 the slot after the passes it needs and after its stage's previous pass. :func:`zero_bubble_loss` runs
@@ -60,9 +63,21 @@ def needs(op: Op, n_chunks: int) -> list[Op]:
     return [("B", m, c)]
 
 
+EQUAL = (1.0, 1.0)  # the lengths of B and W in forwards (F = 1) that the paper's grids take
+
+
+def lengths_for(stage_remat: bool) -> tuple[float, float]:
+    """The lengths of B and W, in forwards, that ZB-V's order is built for: W a forward's matmuls again (the
+    weights' half of the backward's), B the inputs' half and, with ``parallel.stage_remat`` (a B runs its
+    chunk's forward again), one forward more. (Nominal: attention's own backward and the remat policy's
+    recompute lengthen B too; the time model times the order with those, :func:`stretch`.)"""
+    return (2.0, 1.0) if stage_remat else EQUAL
+
+
 @functools.lru_cache(maxsize=256)  # (the planner asks for the same S and M many times; callers do not mutate it)
-def orders(kind: str, stages: int, microbatches: int) -> list[list[Op]]:
-    """Per stage, its passes in the order it runs them (module docstring)."""
+def orders(kind: str, stages: int, microbatches: int, lengths: tuple = EQUAL) -> list[list[Op]]:
+    """Per stage, its passes in the order it runs them (module docstring); ZB-V's built for passes of
+    ``lengths`` (B, W in forwards: :func:`lengths_for`)."""
     _check(kind, stages, microbatches)
     s_, m_ = stages, microbatches
     if kind == "zb_h1":
@@ -81,35 +96,47 @@ def orders(kind: str, stages: int, microbatches: int) -> list[list[Op]]:
                     nf += 1
             out.append(order + [("W", m, s) for m in range(nw, m_)])
         return out
-    return _list_schedule(s_, m_)
+    return _list_schedule(s_, m_, tuple(float(v) for v in lengths))
 
 
-def _list_schedule(stages: int, microbatches: int) -> list[list[Op]]:
-    """ZB-V's order: slot by slot, each device takes one ready pass (module docstring's priorities)."""
+def _list_schedule(stages: int, microbatches: int, lengths: tuple) -> list[list[Op]]:
+    """ZB-V's order: a list schedule in time, the passes taking F 1 and B, W ``lengths``. Repeatedly, the
+    device that can start a pass soonest (its previous pass and the passes the new one needs ended) takes,
+    among the passes it can start then, the first by the module docstring's priorities (an F while it holds
+    fewer than 2S chunk inputs, the later chunk's first; then a B, the later chunk's first; then the oldest
+    W). With equal lengths this is the slot-by-slot schedule of the paper's grid (6M + S - 1 slots where S
+    divides M); with B twice F (a B that runs its chunk's forward again) it waits less for the Bs coming
+    back up the V: at S = 4, M = 8 a stage's time stretched 1.09x by the bubble against 1.30x in the
+    equal-length order."""
     n = 2 * stages
-    done: dict[Op, int] = {}
-    nxt = {(p, c): 0 for p in "FBW" for c in range(n)}  # each chunk's passes in microbatch order
+    cost = {"F": 1.0, "B": float(lengths[0]), "W": float(lengths[1])}
+    end: dict[Op, float] = {}
+    nxt = {(p, c): 0 for p in "FBW" for c in range(n)}
     live = [0] * stages
+    free = [0.0] * stages
     out: list[list[Op]] = [[] for _ in range(stages)]
-    t = 0
-    while len(done) < 3 * microbatches * n:
+    while len(end) < 3 * microbatches * n:
+        best = None
         for d in range(stages):
-            ready = []
+            starts = []
             for c in (d, n - 1 - d):
                 for p in "FBW":
-                    m = nxt[(p, c)]
-                    op = (p, m, c)
-                    if m < microbatches and all(done.get(x, t) < t for x in needs(op, n)) and (
-                            p != "F" or live[d] < n):
-                        ready.append(op)
-            if not ready:
-                continue
-            op = min(ready, key=lambda o: ("FBW".index(o[0]), o[2] if o[0] == "W" else -o[2]))
-            done[op] = t
-            out[d].append(op)
-            nxt[(op[0], op[2])] += 1
-            live[d] += {"F": 1, "B": 0, "W": -1}[op[0]]
-        t += 1
+                    op = (p, nxt[(p, c)], c)
+                    if op[1] < microbatches and all(x in end for x in needs(op, n)) and (p != "F" or live[d] < n):
+                        starts.append((max([free[d]] + [end[x] for x in needs(op, n)]), op))
+            if starts:
+                t0 = min(t for t, _ in starts)
+                op = min((o for t, o in starts if t <= t0 + 1e-9),
+                         key=lambda o: ("FBW".index(o[0]), o[2] if o[0] == "W" else -o[2]))
+                if best is None or t0 < best[0]:
+                    best = (t0, d, op)
+        if best is None:
+            raise ValueError("no pass can start")  # (the F limit leaves a B or W ready: not reached)
+        t0, d, op = best
+        end[op] = free[d] = t0 + cost[op[0]]
+        out[d].append(op)
+        nxt[(op[0], op[2])] += 1
+        live[d] += {"F": 1, "B": 0, "W": -1}[op[0]]
     return out
 
 
@@ -137,12 +164,14 @@ def time_orders(stage_orders: list[list[Op]], n_chunks: int) -> list[dict[Op, in
 
 
 @functools.lru_cache(maxsize=256)
-def schedule_zero_bubble(kind: str, stages: int, microbatches: int) -> list[list[tuple[Op, ...]]]:
+def schedule_zero_bubble(kind: str, stages: int, microbatches: int,
+                         lengths: tuple = EQUAL) -> list[list[tuple[Op, ...]]]:
     """``grid[s][t]``: the passes of stage s in slot t, ``(("F" | "B" | "W", m, r),)`` or ``()`` (idle),
     r the chunk's index among the stage's (0, or for ``zb_v`` 1 for the way back up): the form of
-    :func:`~jaxpar.layers.pipeline.schedule_1f1b`'s grid, in slots of one pass of one chunk."""
+    :func:`~jaxpar.layers.pipeline.schedule_1f1b`'s grid, in slots of one pass of one chunk (the order of
+    :func:`orders` for ``lengths``)."""
     n = chunks(kind, stages)
-    timed = time_orders(orders(kind, stages, microbatches), n)
+    timed = time_orders(orders(kind, stages, microbatches, lengths), n)
     slots = max(t for row in timed for t in row.values()) + 1
     grid: list[list[tuple[Op, ...]]] = [[() for _ in range(slots)] for _ in range(stages)]
     for s, row in enumerate(timed):
@@ -151,14 +180,16 @@ def schedule_zero_bubble(kind: str, stages: int, microbatches: int) -> list[list
     return grid
 
 
-def describe(kind: str, stages: int, microbatches: int, log) -> float:
+def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQUAL) -> float:
     """``log`` the run log's line on the schedule; its idle fraction (the ``bubble_fraction`` of metrics.jsonl)."""
-    grid = schedule_zero_bubble(kind, stages, microbatches)
-    bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches)["sizes"]
+    grid = schedule_zero_bubble(kind, stages, microbatches, lengths)
+    bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches, lengths=lengths)["sizes"]
     name, unit, what = (("ZB-H1", "", "stage inputs") if kind == "zb_h1" else
                         ("ZB-V (two chunks per stage)", " of a chunk", "chunk inputs"))
+    built = ("taken as equal" if kind == "zb_h1" or tuple(lengths) == EQUAL else
+             f"the order built for B = {lengths[0]:g} F, W = {lengths[1]:g} F")
     log(f"pipeline: {name}, {stages} stages, {microbatches} microbatches: {len(grid[0])} slots of one pass{unit} "
-        f"(F, B or W, taken as equal), at most {sizes['x']} {what} and {sizes['w']} chunks' deferred weight-gradient "
+        f"(F, B or W, {built}), at most {sizes['x']} {what} and {sizes['w']} chunks' deferred weight-gradient "
         f"inputs held per stage, bubble {100 * bubble:.1f}% (1F1B: "
         f"{100 * (stages - 1) / (microbatches + stages - 1):.1f}%)")
     return bubble
@@ -169,22 +200,22 @@ def idle_fraction(grid) -> float:
     return sum(not cell for row in grid for cell in row) / sum(len(row) for row in grid)
 
 
-def stretch(kind: str, stages: int, microbatches: int, costs: dict) -> float:
+def stretch(kind: str, stages: int, microbatches: int, costs: dict, lengths: tuple = EQUAL) -> float:
     """The step's time over a stage's busy time when the passes take ``costs`` (``{"F": ..., "B": ...,
     "W": ...}``, any unit) rather than a slot each: each stage runs its passes in the grid's order, a pass as
     soon as its stage is free and the passes it needs (:func:`needs`) have ended (a send waits for its sender
     only: the slots' collective-permutes pair a sender with its receiver, and a device with nothing to
     receive does not wait). Every stage runs the same passes, so its busy time is the same; 1 + the
-    bubble's share of the busy time."""
-    return _stretch(kind, stages, microbatches, tuple(sorted(costs.items())))
+    bubble's share of the busy time. The order is :func:`orders`' for ``lengths``."""
+    return _stretch(kind, stages, microbatches, tuple(sorted(costs.items())), tuple(lengths))
 
 
 @functools.lru_cache(maxsize=1024)
-def _stretch(kind: str, stages: int, microbatches: int, cost_items: tuple) -> float:
+def _stretch(kind: str, stages: int, microbatches: int, cost_items: tuple, lengths: tuple) -> float:
     costs = dict(cost_items)
     n = chunks(kind, stages)
     stage_orders = [[op for _, op in sorted((t, op) for op, t in row.items())]
-                    for row in time_orders(orders(kind, stages, microbatches), n)]
+                    for row in time_orders(orders(kind, stages, microbatches, lengths), n)]
     end: dict = {}
     free = [0.0] * stages
     pos = [0] * stages
@@ -247,7 +278,7 @@ def _allocate(spans: dict) -> tuple[dict, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False) -> dict:
+def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False, lengths: tuple = EQUAL) -> dict:
     """The executor's program: per slot t and device d (``[T, S]`` int arrays) the pass (``op``: IDLE, FWD,
     BWD, WGT), its microbatch, its chunk's index on the device (``loc``), whether it is the model's first or
     last chunk, the buffer slots it reads and writes (``x``: the chunk input kept from its arrival to its B;
@@ -259,7 +290,7 @@ def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False
     it runs."""
     s_, m_ = stages, microbatches
     n = chunks(kind, s_)
-    stage_orders = orders(kind, s_, m_)
+    stage_orders = orders(kind, s_, m_, lengths)
     if forward_only:
         stage_orders = [[op for op in order if op[0] == "F"] for order in stage_orders]
     timed = time_orders(stage_orders, n)
@@ -351,8 +382,9 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
     from jaxpar.layers.pipeline import ACT, Around, _put, _take
 
     s_, m_ = stages, microbatches
-    tab = tables(kind, s_, m_)
-    c_ = _embed_chunk(kind, s_, m_)  # the first chunk's input gradients kept for the embedding's weight gradient
+    lengths = lengths_for(stage_remat)  # the order of ZB-V's passes is built for their lengths
+    tab = tables(kind, s_, m_, lengths=lengths)
+    c_ = _embed_chunk(kind, s_, m_, lengths)  # the first chunk's input gradients kept for the embedding's gradient
     o = Around(first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, microbatches=m_,
                ys_weights=ys_weights)
     leaves, x0 = o.leaves, o.x0
@@ -509,7 +541,7 @@ def _deliver(c: dict, out, a: dict, row: dict, tab: dict, s) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _embed_chunk(kind: str, stages: int, microbatches: int) -> int:
+def _embed_chunk(kind: str, stages: int, microbatches: int, lengths: tuple = EQUAL) -> int:
     """Microbatches whose first-chunk input gradients the first device keeps before its W takes the embedding's
     weight gradient from them: the largest divisor C of M up to 2S (:func:`~jaxpar.layers.pipeline.embed_chunk`)
     such that the W of each C-th microbatch comes before the next microbatch's B overwrites a kept one; M (one
@@ -517,7 +549,8 @@ def _embed_chunk(kind: str, stages: int, microbatches: int) -> int:
     from jaxpar.layers.pipeline import embed_chunk
 
     m_ = microbatches
-    at = {op: t for row in time_orders(orders(kind, stages, m_), chunks(kind, stages)) for op, t in row.items()}
+    at = {op: t for row in time_orders(orders(kind, stages, m_, lengths), chunks(kind, stages))
+          for op, t in row.items()}
     for c in sorted((c for c in range(1, embed_chunk(stages, m_) + 1) if m_ % c == 0), reverse=True):
         if all(at[("W", m, 0)] < at[("B", m + 1, 0)] for m in range(c - 1, m_ - 1, c)):
             return c
