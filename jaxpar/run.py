@@ -74,8 +74,7 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
     if stages == 1:
         return None
     from jaxpar.layers.pipeline import bubble_fraction, in_flight
-    from jaxpar.layers.zero_bubble import describe as zb_describe
-    from jaxpar.layers.zero_bubble import lengths_for
+    from jaxpar.layers.zero_bubble import describe as zb_describe, lengths_for
     from jaxpar.plots import plot_schedule
 
     m, r = cfg.parallel.microbatches or stages, cfg.parallel.pipeline_repeats
