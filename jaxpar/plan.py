@@ -513,13 +513,15 @@ class Planner:
             # backward runs from them)
             slots = min(m_ * r_, 2 * r_ * s_ - 1)
             per_chunk = layers // r_ * micro * stored
-            act = ((slots * par.stage_remat + embed_chunk(s_, m_, r_)) * micro * d * ab
-                   + (0 if par.stage_remat else slots * per_chunk)
-                   + max(per_chunk * par.stage_remat, lead * micro * lead_stored) + micro * working * wb)
+            stash = slots * micro * d * ab if par.stage_remat else slots * per_chunk  # inputs, or residuals
+            again = per_chunk if par.stage_remat else 0.0  # what the chunk's forward run again keeps
+            act = (stash + embed_chunk(s_, m_, r_) * micro * d * ab + max(again, lead * micro * lead_stored)
+                   + micro * working * wb)
         elif s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
             per_chunk = layers // par.pipeline_repeats * micro * stored
+            again = per_chunk if par.stage_remat else 0.0
             act = self._zero_bubble_held(cfg, sizes, micro, ab, per_chunk) + (
-                max(per_chunk * par.stage_remat, lead * micro * lead_stored) + micro * working * wb)
+                max(again, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)
             act += 2 * tokens * d * ab + lead * held * lead_stored

@@ -548,7 +548,7 @@ MUTANTS = [
       ["tests/test_plan.py::test_none_keeps_every_intermediate_of_the_nonlinearity[gelu]",
        "tests/test_plan.py::test_shipped_configs_memory_against_the_compiled_step[default.yaml-cpu-1]"]),
     M("mm-lead-in-keeps-nothing", "memory-model", "jaxpar/plan.py",
-      "+ max(per_chunk * par.stage_remat, lead * micro * lead_stored)", "+ per_chunk * par.stage_remat",
+      "ab + max(again, lead * micro * lead_stored)", "ab + again",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
        "microbatches4-pipeline_schedule1f1b]"]),
     M("pp-lead-in-keeps-its-cast-weights", "memory-model", "models/moe.py",
@@ -586,7 +586,8 @@ MUTANTS = [
       ["tests/test_zero_bubble.py::test_zb_v_order_built_for_the_passes_lengths[4-8]"]),
     # parallel.stage_remat=false: the residuals kept from F to B
     M("kept-weights-in-every-slot", "pipeline-stage-remat", "jaxpar/layers/residuals.py",
-      "self.depends = tuple(res_unknown)", "self.depends = tuple(True for _ in res_unknown)",
+      "self.depends = tuple(out_unknown[self._n_out:])",
+      "self.depends = tuple(True for _ in out_unknown[self._n_out:])",
       ["tests/test_pipeline.py::test_stage_keeps_no_copy_of_its_weights_per_iteration[bfloat16]"]),
     M("kept-1f1b-backward-from-the-next-slot", "pipeline-stage-remat", PIPE,
       'res.pullback((list(p_leaves), br, bm_rows), _take(c["stash"], at))',
@@ -609,7 +610,7 @@ MUTANTS = [
       "stash = 2 * ru.bwd * stored_bytes if", "stash = 0 * ru.bwd * stored_bytes if",
       ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
     M("kept-memory-stash-of-inputs", "memory-model", "jaxpar/plan.py",
-      "+ (0 if par.stage_remat else slots * per_chunk)", "+ 0",
+      "if par.stage_remat else slots * per_chunk  # inputs, or residuals", "if par.stage_remat else 0.0",
       ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
     M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
       '            if sizes["pipe"] > 1:\n                layer -= per_device',

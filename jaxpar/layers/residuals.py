@@ -38,27 +38,20 @@ class Residuals:
             outs, self._treedefs["out"] = jax.tree.flatten(out)
             return outs, res
 
-        self._known_def = jax.tree.structure(known)
         k_leaves, x_leaves = jax.tree.leaves(known), jax.tree.leaves(x)
         closed, (outs, res) = jax.make_jaxpr(flat, return_shape=True)(known, x)
-        self._n_out, self._n_res = len(outs), len(res)
+        self._closed, self._n_out = closed, len(outs)
         unknowns = [False] * len(k_leaves) + [True] * len(x_leaves)
         known_jaxpr, _, out_unknown, _ = pe.partial_eval_jaxpr_nounits(closed, unknowns, instantiate=False)
-        res_unknown = out_unknown[self._n_out:]
-        self.depends = tuple(res_unknown)  # per residual: whether it depends on x (kept) or not (recomputed)
-        self.kept = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r, d in zip(res, res_unknown) if d]
-        # the known half: the outputs that do not depend on x, then its residuals for the unknown half;
-        # only the residuals that do not depend on x are wanted at the backward
-        n_known_out = sum(not u for u in out_unknown)
-        n_known_outs_before = sum(not u for u in out_unknown[:self._n_out])
-        want = [False] * n_known_outs_before + [True] * (n_known_out - n_known_outs_before)
-        want += [False] * (len(known_jaxpr.jaxpr.outvars) - n_known_out)
-        jaxpr, used_inputs = pe.dce_jaxpr(known_jaxpr.jaxpr, want, instantiate=False)
-        self._known_jaxpr = jaxpr
+        self.depends = tuple(out_unknown[self._n_out:])  # per residual: depends on x (kept) or not (recomputed)
+        self.kept = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r, d in zip(res, self.depends) if d]
+        # the known half's outputs: those of ``flat`` that do not depend on x, then its residuals for the unknown
+        # half; the backward wants only the first kind's residuals of the stage (not its outputs)
+        known_out = [i for i, u in enumerate(out_unknown) if not u]
+        want = [i >= self._n_out for i in known_out]
+        want += [False] * (len(known_jaxpr.jaxpr.outvars) - len(known_out))
+        self._known_jaxpr, self._known_used = pe.dce_jaxpr(known_jaxpr.jaxpr, want, instantiate=False)
         self._known_consts = known_jaxpr.consts
-        self._known_used = used_inputs
-        self._closed = closed
-        self._n_known = len(k_leaves)
 
     def forward(self, known, x):
         """``(out, kept)``: the function's output and the residuals to keep for :meth:`pullback`."""

@@ -96,7 +96,7 @@ def orders(kind: str, stages: int, microbatches: int, lengths: tuple = EQUAL) ->
                     nf += 1
             out.append(order + [("W", m, s) for m in range(nw, m_)])
         return out
-    return _list_schedule(s_, m_, tuple(float(v) for v in lengths))
+    return _list_schedule(s_, m_, tuple(lengths))
 
 
 def _list_schedule(stages: int, microbatches: int, lengths: tuple) -> list[list[Op]]:
