@@ -117,6 +117,18 @@ def test_fused_head_loss_equals_autodiff_of_the_unfused_loss(layout, mesh):
     """head_cross_entropy (chunks of 8 tokens per device, gradients computed in its forward) against
     JAX's gradient of the whole-batch logits + cross-entropy, on meshes that split the tokens
     (data, expert, seq) and the vocabulary (tensor), and under Megatron-SP."""
+    _check_fused_head_loss(layout, mesh, chunk_tokens=8)
+
+
+@pytest.mark.parametrize("layout, mesh", [("vd", {}), ("dv", dict(data=2, tensor=2))],
+                         ids=["tied-1", "untied-data2-tensor2"])
+def test_fused_head_loss_in_one_chunk_equals_autodiff_of_the_unfused_loss(layout, mesh):
+    """The same with every token of a device in one chunk (no chunk limit; a pipeline's loss of one microbatch):
+    no loop, the chunk's head gradient taken as the whole."""
+    _check_fused_head_loss(layout, mesh, chunk_tokens=0)
+
+
+def _check_fused_head_loss(layout, mesh, chunk_tokens):
     import jax
     from jaxpar.layers.loss import head_cross_entropy
     from jaxpar.mesh import make_mesh
@@ -137,7 +149,8 @@ def test_fused_head_loss_equals_autodiff_of_the_unfused_loss(layout, mesh):
                 return f(x, w, targets, vocab, layout)
         return jax.jit(jax.value_and_grad(g, (0, 1)))
 
-    fused = under_rules(lambda *a: head_cross_entropy(*a[:4], layout=a[4], dtype=jnp.float32, chunk_tokens=8))
+    fused = under_rules(lambda *a: head_cross_entropy(*a[:4], layout=a[4], dtype=jnp.float32,
+                                                      chunk_tokens=chunk_tokens))
     loss, grads = fused(x, w)
     ref_loss, ref_grads = under_rules(_head_loss_reference)(x, w)
     assert rel_err(loss, ref_loss) <= 1e-6

@@ -362,7 +362,7 @@ MUTANTS = [
       "mine = (local >= 0) & (local < local_vocab)", "mine = (local > 0) & (local < local_vocab)",
       [f"{FUSED}[tied-1]"]),
     M("loss-head-grad-last-chunk", "loss", LOSS,
-      'return dx, dw + f32_einsum(f"btd,btv->{self.layout}"', 'return dx, f32_einsum(f"btd,btv->{self.layout}"',
+      "dw_chunk if dw is None else dw + dw_chunk", "dw_chunk",
       [f"{FUSED}[tied-1]"]),
     M("loss-vocab-max-per-shard", "loss", LOSS,
       "m_all = jax.lax.pmax(m, self.vocab_axes)",

@@ -205,17 +205,17 @@ class _Kernel:
             zero = jnp.zeros(tc.shape, jnp.float32)
             return jnp.zeros((*tc.shape, local_vocab), jnp.float32), zero, zero + 1, zero
 
-        def chunk_grads(logits, lse, xc, tc, wc_, dw):
+        def chunk_grads(logits, lse, xc, tc, wc_):  # the chunk's dx and its share of dw
             # softmax from the log-sum-exp rather than from `e`: the exponentials are recomputed in this
             # fusion, so `e` is only ever a reduction's input and no third [tokens, vocab] buffer exists
             hit = cols == tc[..., None]
             d = jnp.exp(logits - lse[..., None]) - hit
             dlogits = (d / denom if wc_ is None else d * (wc_ / denom)[..., None]).astype(self.dtype)
             dx = f32_einsum(f"btv,{self.layout}->btd", dlogits, wc)
-            return dx, dw + f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
+            return dx, f32_einsum(f"btd,btv->{self.layout}", xc, dlogits)
 
-        def no_grads(logits, lse, xc, tc, wc_, dw):
-            return jnp.zeros(xc.shape, jnp.float32), dw
+        def no_grads(logits, lse, xc, tc, wc_):
+            return jnp.zeros(xc.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32)
 
         def chunk(carry, xt):
             loss, dw = carry
@@ -230,12 +230,19 @@ class _Kernel:
             loss = loss + jnp.sum(ce if wc_ is None else wc_ * ce)
             if not grads:
                 return (loss, dw), None
-            dx, dw = when(pred, chunk_grads, no_grads, logits, m + jnp.log(s), xc, tc, wc_, dw)
-            return (loss, dw), dx
+            # the chunk's share of dw out of the cond and added after it (in place in the carry; passed
+            # through a branch, XLA:CPU copies the running sum), taken as the sum where one chunk is all
+            dx, dw_chunk = when(pred, chunk_grads, no_grads, logits, m + jnp.log(s), xc, tc, wc_)
+            return (loss, dw_chunk if dw is None else dw + dw_chunk), dx
 
-        dw0 = jnp.zeros(w.shape, jnp.float32) if grads else None
         ws = None if weights is None else chunks(weights)
-        (loss, dw), dx = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), dw0), (chunks(x), chunks(targets), ws))
+        xs = (chunks(x), chunks(targets), ws)
+        if n == 1:  # no loop, and no zeros to sum the chunks' dw into: a [d, vocab] buffer fewer
+            (loss, dw), dx = chunk((jnp.zeros((), jnp.float32), None), jax.tree.map(lambda a: a[0], xs))
+            dx = None if dx is None else dx[None]
+        else:
+            dw0 = jnp.zeros(w.shape, jnp.float32) if grads else None
+            (loss, dw), dx = jax.lax.scan(chunk, (jnp.zeros((), jnp.float32), dw0), xs)
         loss = self._psum(loss, self.token_axes) / denom
         if not grads:
             return loss
