@@ -9,7 +9,7 @@
    interleaved 1F1B (2 chunks per stage), 1F1B with ZeRO-1, ZB-H1 and ZB-V.
 2. Temporaries against the microbatch count M at a fixed microbatch size (Llama, d 64, 4 layers,
    seq 16, pipe=2, 4 sequences per microbatch): GPipe keeps every microbatch, 1F1B at most 2S - 1,
-   interleaved 1F1B at most 2RS - 1 chunk inputs, ZB-H1 at most S stage inputs and the deferred weight
+   interleaved 1F1B at most (R + 1) S - 1 chunk inputs, ZB-H1 at most S stage inputs and the deferred weight
    gradients' inputs of at most S microbatches.
 3. Both with ``parallel.stage_remat=false`` and ``model.remat=none`` ("kept": each backward from the residuals
    its forward kept, no forward run twice; the zero-bubble paper's setting): 1F1B, ZB-H1 and ZB-V.

@@ -41,7 +41,9 @@ it does not fit the device memory, and ranked by estimated step time. The model,
   Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
   a GPipe pipeline keeps ``(M R + S - 1) / (M R)`` times its stage's share and its buffer of all
   microbatches with its gradient; 1F1B keeps the stage
-  inputs of ``min(M, 2S - 1)`` microbatches (interleaved: ``min(M R, 2RS - 1)`` chunk inputs) and one
+  inputs of ``min(M, 2S - 1)`` microbatches (interleaved: ``min(M R, (R + 1) S - 1)`` chunk inputs; with
+  ``parallel.stage_remat=false`` their residuals, held as traced: the compute dtype, with ``out_proj``'s
+  output under a policy that keeps it) and one
   microbatch's stage (chunk) activations while its backward runs, and the first stage's input
   gradients of ``C`` microbatches (:func:`jaxpar.layers.pipeline.embed_chunk`: all M up to 2RS);
   a MoE model's dense first layers (``moe.first_dense``, on the first stage) keep one microbatch's
@@ -485,6 +487,14 @@ class Planner:
         kw = wb + ab if cpu and ab < 4 and sizes["pipe"] > 1 else wb
         stored = (res * sb + (kept + (none_ff - kept_ff) / t - res) * kw if m.remat == "none" else res * sb + sum(
             named.get(x, 0.0) * (wb if x == "mlp_down" else sb) for x in KEPT.get(m.remat, ())))
+        # the same residuals kept in a 1F1B or zero-bubble stash (parallel.stage_remat=false) are held as traced:
+        # in the compute dtype, the attention's squares in float32 (XLA:CPU's float32 copies are made as a
+        # backward reads its slot; the GPU's widths are these), and with out_proj's output, which the second
+        # norm's backward reads (its input, the residual stream plus it: read from the stash of GPT-3 175B's
+        # compiled 1F1B step)
+        squares = sq_kept * square  # in wb units
+        traced = ((kept + (none_ff - kept_ff) / t - squares) * ab + squares * wb if m.remat == "none" else
+                  res * ab + sum(dict(named, out_proj=d).get(x, 0.0) * ab for x in KEPT.get(m.remat, ())))
         s_ = sizes["pipe"]
         layers = comm.stage_layers(cfg, sizes) * par.pipeline_repeats  # a stage's layer slots
         # a pipeline stage runs each of its layers (M R + S - 1) / R times (bubble iterations included)
@@ -505,22 +515,22 @@ class Planner:
         if f1b:
             m_ = par.microbatches or s_
             r_ = par.pipeline_repeats  # interleaved: the stash holds chunk inputs, a backward recomputes a chunk
-            from jaxpar.layers.pipeline import embed_chunk
+            from jaxpar.layers.pipeline import embed_chunk, stash_slots
 
             # the stash, one chunk's activations and working set, and the first stage's input gradients kept
             # for the embedding's weight gradient (C microbatches' of them)
             # (parallel.stage_remat=false: the stash holds each chunk's residuals, what model.remat keeps, and the
             # backward runs from them)
-            slots = min(m_ * r_, 2 * r_ * s_ - 1)
+            slots = stash_slots(s_, r_, m_)
             per_chunk = layers // r_ * micro * stored
-            stash = slots * micro * d * ab if par.stage_remat else slots * per_chunk  # inputs, or residuals
+            stash = slots * micro * d * ab if par.stage_remat else slots * layers // r_ * micro * traced
             again = per_chunk if par.stage_remat else 0.0  # what the chunk's forward run again keeps
             act = (stash + embed_chunk(s_, m_, r_) * micro * d * ab + max(again, lead * micro * lead_stored)
                    + micro * working * wb)
         elif s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
             per_chunk = layers // par.pipeline_repeats * micro * stored
             again = per_chunk if par.stage_remat else 0.0
-            act = self._zero_bubble_held(cfg, sizes, micro, ab, per_chunk) + (
+            act = self._zero_bubble_held(cfg, sizes, micro, ab, layers // par.pipeline_repeats * micro * traced) + (
                 max(again, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)

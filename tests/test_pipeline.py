@@ -12,7 +12,7 @@ from helpers import (assert_trees_close, batches, check_moe_against_reference, c
                      per_microbatch_reference, rel_err, trainer)
 from jaxpar.config import ConfigError
 from jaxpar.layers.pipeline import (bubble_fraction, in_flight, schedule, schedule_1f1b, stage_major_order,
-                                    stash_slots)
+                                    stash_rows, stash_slots)
 
 L4 = dict(model__n_layers=4)
 
@@ -350,6 +350,7 @@ def test_1f1b_schedule():
             assert b[s_ - 1] == f[s_ - 1] and all(bs > fs for bs, fs in zip(b[:-1], f[:-1]))
         assert in_flight(s_, m_) == [min(m_, 2 * (s_ - 1 - s) + 1) for s in range(s_)]
         assert max(in_flight(s_, m_)) <= stash_slots(s_)
+        assert max(in_flight(s_, m_)) == stash_slots(s_, 1, m_) == stash_rows(s_, m_).max() + 1  # no row unused
         # time: iterations with only forwards cost F, only backwards B, both F + B; with B = 2F
         cost = sum(3 if {op for row in grid for op, _, _ in row[t]} == {"F", "B"} else
                    (1 if all(op == "F" for row in grid for op, _, _ in row[t]) else 2) for t in range(len(grid[0])))
@@ -361,7 +362,8 @@ def test_interleaved_1f1b_schedule():
     is on the next stage (chunk r + 1 on stage 0 after chunk r on the last) exactly one iteration after
     the previous one (a shift arrives for one iteration only), a backward likewise in reverse, the last
     stage's last chunk starts a backward in the iteration of its forward; a stage does at most one of
-    each per iteration, holds at most 2RS - 1 chunk inputs whatever M, and idles (S-1)/(MR+S-1) of the
+    each per iteration, holds at most (R + 1) S - 1 chunk inputs whatever M (the executor's stash rows exactly
+    as many), and idles (S-1)/(MR+S-1) of the
     time in chunk forward + backward units (the circular schedule's bubble)."""
     for s_, m_, r_ in [(2, 2, 2), (2, 8, 2), (4, 8, 2), (3, 6, 3), (4, 32, 2)]:
         grid = schedule_1f1b(s_, m_, r_)
@@ -375,7 +377,8 @@ def test_interleaved_1f1b_schedule():
             b = [at["B", m, r, s] for r, s in hops]
             assert f == list(range(f[0], f[0] + r_ * s_)) and b == list(range(b[0], b[0] - r_ * s_, -1))
             assert b[-1] == f[-1]
-        assert max(in_flight(s_, m_, r_)) <= stash_slots(s_, r_)
+        assert max(in_flight(s_, m_, r_)) == stash_slots(s_, r_, m_) == stash_rows(s_, m_, r_).max() + 1
+        assert stash_slots(s_, r_, m_) <= (r_ + 1) * s_ - 1 < 2 * r_ * s_ - 1  # a ring of forward slots: 2RS - 1
         cost = sum(3 if {op for row in grid for op, _, _ in row[t]} == {"F", "B"} else
                    (1 if all(op == "F" for row in grid for op, _, _ in row[t]) else 2) for t in range(len(grid[0])))
         assert abs(1 - 3 * m_ * r_ / cost - bubble_fraction(s_, m_, r_)) < 1e-12
@@ -385,7 +388,7 @@ def test_interleaved_1f1b_schedule():
 def test_1f1b_memory_stays_flat_in_microbatches():
     """Per-device temporaries of the compiled step at a fixed microbatch size (pipe=2): 1F1B at M = 8S within
     1.3x of M = S (its stages hold at most 2S - 1 microbatches), interleaved 1F1B too (2 chunks per stage:
-    at most 2RS - 1 chunk inputs), and with a MoE model's dense first layers (the lead-in: run per microbatch
+    at most (R + 1) S - 1 chunk inputs), and with a MoE model's dense first layers (the lead-in: run per microbatch
     on the first stage, forward and backward; taken over the whole batch after the loops they made M = 8S 7.7x
     M = S here); GPipe's grow with M (all of them)."""
     temp = {}

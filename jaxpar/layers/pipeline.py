@@ -47,6 +47,8 @@ Long by design: the schedules share their shifts, buffers and schedule grids her
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -280,12 +282,53 @@ def _put(buf: jax.Array, value: jax.Array, slot, ok) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), slot, 0)
 
 
-def stash_slots(stages: int, repeats: int = 1) -> int:
-    """Stage inputs a 1F1B stage holds at once: stage s keeps microbatch m from its forward (iteration
+def stash_slots(stages: int, repeats: int = 1, microbatches: int | None = None) -> int:
+    """Chunk inputs a 1F1B stage holds at once: stage s keeps microbatch m from its forward (iteration
     m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0); interleaved (R chunks
-    per stage), a chunk's input from its forward to its backward, at most 2RS - 1 chunk inputs (each
-    a microbatch's activations, the input of 1/R of the stage's layers)."""
-    return 2 * repeats * stages - 1
+    per stage), a chunk's input from its forward to its backward, at most (R + 1) S - 1 (stage 0:
+    Megatron's 2(S - 1) + (R - 1) S warm-up forwards and one more), each a microbatch's activations,
+    the input of 1/R of the stage's layers. With ``microbatches`` M, at most the M R there are."""
+    cap = (repeats + 1) * stages - 1
+    return cap if microbatches is None else min(cap, microbatches * repeats)
+
+
+def allocate(spans: dict) -> tuple[dict, int]:
+    """Buffer slots for values live over ``spans`` (key -> (written, last read), in half slots): the fewest
+    slots, a slot reused once its value's last read is before the next one's write."""
+    free: list[int] = []
+    busy: list[tuple[int, int]] = []  # (last read, slot)
+    out, n = {}, 0
+    for key, (w, r) in sorted(spans.items(), key=lambda kv: kv[1]):
+        for end, slot in sorted(busy):
+            if end < w:
+                busy.remove((end, slot))
+                free.append(slot)
+        if free:
+            slot = min(free)
+            free.remove(slot)
+        else:
+            slot, n = n, n + 1
+        out[key] = slot
+        busy.append((r, slot))
+    return out, max(n, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def stash_rows(stages: int, microbatches: int, repeats: int = 1) -> np.ndarray:
+    """``rows[s, k]``: the row of 1F1B's stash that holds forward slot k's chunk input (:func:`_f1b_slot`) on
+    stage s, from the iteration of its forward to that of its backward (both included: an iteration runs
+    its forward before its backward), rows reused as they free (:func:`allocate`): as many rows as the
+    busiest stage holds inputs at once, :func:`stash_slots` (a ring of ``k % rows`` would need the span
+    of the live slots, 2RS - 1 when interleaved)."""
+    s_, m_, r_ = stages, microbatches, repeats
+    rows = np.zeros((s_, m_ * r_), np.int32)
+    for s in range(s_):
+        spans = {_f1b_slot(m, r, s_, r_): (_f1b_slot(m, r, s_, r_) + s, _f1b_backward_at(m, r, s, s_, r_))
+                 for m in range(m_) for r in range(r_)}
+        got, _ = allocate(spans)
+        for k, row in got.items():
+            rows[s, k] = row
+    return rows
 
 
 def embed_chunk(stages: int, microbatches: int, repeats: int = 1) -> int:
@@ -355,15 +398,15 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     order (stage-major, as the circular schedule: :func:`stage_major_order`) and a microbatch goes
     round the ring R times, in the order of :func:`_f1b_slot` (groups of S microbatches through chunk 0
     of every stage, then chunk 1, ...; backwards mirrored): M R + R S + S - 2 iterations, at most
-    2RS - 1 chunk inputs held per stage, the circular schedule's bubble.
+    (R + 1) S - 1 chunk inputs held per stage (:func:`stash_rows`), the circular schedule's bubble.
 
     Schedule (:func:`schedule_1f1b`; R = 1): on iteration t stage s runs the forward of microbatch t - s and the
     backward of microbatch t - 2(S-1) + s, each where it exists; M + 2(S-1) iterations in two loops:
     S - 1 warm-up iterations of forwards only, then one forward and one backward per iteration (the
     forward skipped by a ``lax.cond`` on t, the same on every stage, in the last S - 1). The last stage
     runs the loss of a microbatch and its gradient as soon as its forward is done, so a stage keeps the
-    inputs of at most 2S - 1 microbatches (:func:`stash_slots`): activation memory O(S), not O(M) as
-    GPipe's. A stage's backward runs its forward again from the stashed input
+    inputs of at most min(M, 2S - 1) microbatches (:func:`stash_slots`): activation memory O(S), not O(M)
+    as GPipe's. A stage's backward runs its forward again from the stashed input
     (``jax.vjp``, so the layers' remat policy decides what that one microbatch keeps while its backward
     runs): the stage is rematerialised as a whole, as ``model.remat=full`` would. (Stashing the
     ``jax.vjp`` residuals instead would save that forward but copy the stage's weights into every slot:
@@ -383,7 +426,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     s_, m_, r_ = stages, microbatches, repeats
     if r_ > 1 and m_ % s_:
         raise ValueError(f"interleaved 1F1B needs the microbatches ({m_}) to be a multiple of the stages ({s_})")
-    k_ = stash_slots(s_, r_)
+    rows_of = stash_rows(s_, m_, r_)  # a stage's stash: forward slot k in row rows_of[s, k]
+    k_ = int(rows_of.max()) + 1  # stash_slots(S, R, M)
     c_ = embed_chunk(s_, m_, r_)  # input gradients kept for the embedding's weight gradient
     o = Around(first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, microbatches=m_,
                ys_weights=ys_weights)
@@ -405,6 +449,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
     def local(p_leaves, o_leaves, toks, tgts, rws):
         """One device's stage: ``p_leaves`` its layers ``[L/S, ...]``, the rest replicated over pipe."""
         s = jax.lax.axis_index("pipe")
+        row_of = jnp.asarray(rows_of)[s]  # this stage's stash row of each forward slot
         outer_ = jax.tree.unflatten(o.outer_def, o_leaves)
         res = None if stage_remat else Residuals(
             lambda kn, x: jax.vjp(lambda p, x: stage(p, x, kn[1], kn[2]), kn[0], x),
@@ -429,10 +474,10 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             x = o.stage_input(outer_, toks, fm, (s == 0) & (fr == 0), f_ok, c["fwd"])
             if stage_remat:
                 y = stage(p_leaves, x, fr, _take(rws, fm))
-                c["stash"] = _put(c["stash"], x, k % k_, f_ok)
+                c["stash"] = _put(c["stash"], x, row_of[k], f_ok)
             else:  # the forward's residuals kept for the backward (the stage not run again)
                 y, kept = res.forward((list(p_leaves), fr, _take(rws, fm)), x)
-                c["stash"] = [_put(buf, v, k % k_, f_ok) for buf, v in zip(c["stash"], kept)]
+                c["stash"] = [_put(buf, v, row_of[k], f_ok) for buf, v in zip(c["stash"], kept)]
             y, ys = y if has_ys else (y, None)
             if has_ys:
                 c["ys"] = jax.tree.map(lambda a, v: a.at[fr].add(jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0)),
@@ -453,7 +498,7 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                 g = c["bwd"]
             else:
                 g = o.loss_cotangent(c, o_leaves, y, tgts, bmm, last, last & b_ok, c["bwd"])
-            at = _f1b_slot(bmm, br, s_, r_) % k_
+            at = row_of[_f1b_slot(bmm, br, s_, r_)]
             bm_rows = _take(rws, bmm)
             if stage_remat:  # the chunk's forward again (its remat policy)
                 x = jax.lax.dynamic_index_in_dim(c["stash"], at, 0, keepdims=False)

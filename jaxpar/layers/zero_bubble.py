@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.layers.pipeline import peak_held
+from jaxpar.layers.pipeline import allocate, peak_held
 from jaxpar.layers.residuals import Residuals
 from jaxpar.partitioning import constrain
 
@@ -256,27 +256,6 @@ def device_of(kind: str, stages: int, c: int) -> int:
     return c if kind == "zb_h1" or c < stages else 2 * stages - 1 - c
 
 
-def _allocate(spans: dict) -> tuple[dict, int]:
-    """Buffer slots for values live over ``spans`` (key -> (written, last read), in half slots): the fewest
-    slots, a slot reused once its value's last read is before the next one's write."""
-    free: list[int] = []
-    busy: list[tuple[int, int]] = []  # (last read, slot)
-    out, n = {}, 0
-    for key, (w, r) in sorted(spans.items(), key=lambda kv: kv[1]):
-        for end, slot in sorted(busy):
-            if end < w:
-                busy.remove((end, slot))
-                free.append(slot)
-        if free:
-            slot = min(free)
-            free.remove(slot)
-        else:
-            slot, n = n, n + 1
-        out[key] = slot
-        busy.append((r, slot))
-    return out, max(n, 1)
-
-
 @functools.lru_cache(maxsize=256)
 def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False, lengths: tuple = EQUAL) -> dict:
     """The executor's program: per slot t and device d (``[T, S]`` int arrays) the pass (``op``: IDLE, FWD,
@@ -310,7 +289,7 @@ def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False
     for name, spans in (("x", xs), ("g", gs), ("w", ws)):
         per, size = {}, 1
         for d in range(s_):
-            got, k = _allocate({key: v for key, v in spans.items() if dev[key[1]] == d})
+            got, k = allocate({key: v for key, v in spans.items() if dev[key[1]] == d})
             per.update(got)
             size = max(size, k)
         alloc[name], sizes[name] = per, size
