@@ -385,6 +385,33 @@ def test_interleaved_1f1b_schedule():
     assert in_flight(4, 32, 2) == in_flight(4, 8, 2)  # flat in M
 
 
+@pytest.mark.parametrize("stage_remat", [True, False], ids=["inputs", "kept"])
+def test_bfloat16_stash_is_written_in_place(stage_remat):
+    """A bfloat16 1F1B stash (the stage inputs, or with ``parallel.stage_remat=false`` the residuals) is held
+    as its bits: the compiled step has it as uint16 and never as a float32 copy (XLA:CPU ran a bfloat16
+    row update as a conversion of the whole stash to float32 and back), and the step's loss and gradients
+    are the float32 stash's within bfloat16's rounding of the layers' work (the bits round-trip exactly)."""
+    import jax
+
+    from jaxpar.layers.pipeline import stash_slots
+
+    over = dict(L4, parallel__pipe=2, parallel__pipeline_schedule="1f1b", parallel__microbatches=4,
+                parallel__stage_remat=stage_remat, model__remat="save_dots", model__compute_dtype="bfloat16")
+    cfg = config("llama", **over)
+    t = trainer(cfg, 2)
+    rows, m = stash_slots(2, 1, 4), cfg.model.resolved()
+    mb = cfg.train.batch_size // 4
+    stash = f"[{rows},{mb},{m.seq_len},{m.d_model}]" if stage_remat else f"[{rows},2,{mb},{m.seq_len},{m.d_model}]"
+    text = t.hlo_text()
+    assert f"u16{stash}" in text and f"f32{stash}" not in text and f"bf16{stash}" not in text, stash
+    got = first_step(cfg)
+    ref = first_step(config("llama", **{**over, "parallel__stage_remat": True, "parallel__pipe": 1,
+                                         "parallel__pipeline_schedule": "gpipe", "parallel__microbatches": 0}))
+    assert abs(got["loss"] - ref["loss"]) <= 2e-2 * abs(ref["loss"])
+    for a, b in zip(jax.tree.leaves(got["grads"]), jax.tree.leaves(ref["grads"])):
+        assert rel_err(a, b) <= 0.1
+
+
 def test_1f1b_memory_stays_flat_in_microbatches():
     """Per-device temporaries of the compiled step at a fixed microbatch size (pipe=2): 1F1B at M = 8S within
     1.3x of M = S (its stages hold at most 2S - 1 microbatches), interleaved 1F1B too (2 chunks per stage:

@@ -282,6 +282,25 @@ def _put(buf: jax.Array, value: jax.Array, slot, ok) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(ok, value, old), slot, 0)
 
 
+def as_stored(dtype) -> np.dtype:
+    """The dtype a stash holds values of ``dtype`` in: a 16-bit float as its bits (``uint16``). XLA:CPU runs
+    bfloat16 elementwise work in float32, and a bfloat16 stash's row update (a select and a dynamic update
+    slice) became a conversion of the whole stash to float32 and back: a second copy of each buffer as it is
+    written (6 GiB of GPT-3 175B's interleaved stash). Bits move unconverted; on an accelerator the
+    bitcasts are free."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.uint16) if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _stored(value: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(value, as_stored(value.dtype))
+
+
+def _row(buf: jax.Array, row, dtype) -> jax.Array:
+    """Row ``row`` of a stash ``buf`` (:func:`as_stored`), as ``dtype``."""
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(buf, row, 0, keepdims=False), dtype)
+
+
 def stash_slots(stages: int, repeats: int = 1, microbatches: int | None = None) -> int:
     """Chunk inputs a 1F1B stage holds at once: stage s keeps microbatch m from its forward (iteration
     m + s) to its backward (m + 2(S-1) - s), at most 2S - 1 of them (stage 0); interleaved (R chunks
@@ -456,8 +475,8 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             (list(p_leaves), jnp.zeros((), jnp.int32), _take(rws, 0)), jax.ShapeDtypeStruct(x0.shape, x0.dtype))
         c = dict(
             fwd=jnp.zeros(x0.shape, x0.dtype), bwd=jnp.zeros(x0.shape, x0.dtype),
-            stash=(jnp.zeros((k_, *x0.shape), x0.dtype) if stage_remat else
-                   [jnp.zeros((k_, *a.shape), a.dtype) for a in res.kept]),
+            stash=(jnp.zeros((k_, *x0.shape), as_stored(x0.dtype)) if stage_remat else
+                   [jnp.zeros((k_, *a.shape), as_stored(a.dtype)) for a in res.kept]),
             dins=jnp.zeros((c_, *x0.shape), x0.dtype),
             dgroups=[jnp.zeros(a.shape, a.dtype) for a in p_leaves], douter=o.zero_grads(o_leaves),
             loss=jnp.zeros((), jnp.float32),
@@ -474,10 +493,10 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             x = o.stage_input(outer_, toks, fm, (s == 0) & (fr == 0), f_ok, c["fwd"])
             if stage_remat:
                 y = stage(p_leaves, x, fr, _take(rws, fm))
-                c["stash"] = _put(c["stash"], x, row_of[k], f_ok)
+                c["stash"] = _put(c["stash"], _stored(x), row_of[k], f_ok)
             else:  # the forward's residuals kept for the backward (the stage not run again)
                 y, kept = res.forward((list(p_leaves), fr, _take(rws, fm)), x)
-                c["stash"] = [_put(buf, v, row_of[k], f_ok) for buf, v in zip(c["stash"], kept)]
+                c["stash"] = [_put(buf, _stored(v), row_of[k], f_ok) for buf, v in zip(c["stash"], kept)]
             y, ys = y if has_ys else (y, None)
             if has_ys:
                 c["ys"] = jax.tree.map(lambda a, v: a.at[fr].add(jnp.where(f_ok, v.astype(jnp.float32) / m_, 0.0)),
@@ -501,11 +520,12 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
             at = row_of[_f1b_slot(bmm, br, s_, r_)]
             bm_rows = _take(rws, bmm)
             if stage_remat:  # the chunk's forward again (its remat policy)
-                x = jax.lax.dynamic_index_in_dim(c["stash"], at, 0, keepdims=False)
+                x = _row(c["stash"], at, x0.dtype)
                 out, pullback = jax.vjp(lambda p, x: stage(p, x, br, bm_rows), p_leaves, x)
             else:
                 out = (None, ys_shape)
-                pullback = res.pullback((list(p_leaves), br, bm_rows), _take(c["stash"], at))
+                pullback = res.pullback((list(p_leaves), br, bm_rows),
+                                        [_row(buf, at, a.dtype) for buf, a in zip(c["stash"], res.kept)])
             dgroup, dx = pullback(o.output_cotangent(out, g))
             c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
             dx = o.lead_backward(c, o_leaves, toks, bmm, (s == 0) & (br == 0) & b_ok, jnp.where(b_ok, dx, 0))
