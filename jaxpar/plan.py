@@ -512,6 +512,10 @@ class Planner:
                        if m.remat == "none" else
                        res * sb + sum(dense_named.get(x, 0.0) * sb for x in KEPT.get(m.remat, ())))
         f1b = s_ > 1 and par.pipeline_schedule == "1f1b"
+        # a chunk's (L / (S R) layers') share of a microbatch: what its forward run again keeps while its backward
+        # runs (parallel.stage_remat), or the residuals a stash keeps for it (stage_remat=false)
+        again = layers // par.pipeline_repeats * micro * stored if par.stage_remat else 0.0
+        kept_chunk = layers // par.pipeline_repeats * micro * traced
         if f1b:
             m_ = par.microbatches or s_
             r_ = par.pipeline_repeats  # interleaved: the stash holds chunk inputs, a backward recomputes a chunk
@@ -522,15 +526,11 @@ class Planner:
             # (parallel.stage_remat=false: the stash holds each chunk's residuals, what model.remat keeps, and the
             # backward runs from them)
             slots = stash_slots(s_, r_, m_)
-            per_chunk = layers // r_ * micro * stored
-            stash = slots * micro * d * ab if par.stage_remat else slots * layers // r_ * micro * traced
-            again = per_chunk if par.stage_remat else 0.0  # what the chunk's forward run again keeps
+            stash = slots * micro * d * ab if par.stage_remat else slots * kept_chunk
             act = (stash + embed_chunk(s_, m_, r_) * micro * d * ab + max(again, lead * micro * lead_stored)
                    + micro * working * wb)
         elif s_ > 1 and par.pipeline_schedule in ("zb_h1", "zb_v"):
-            per_chunk = layers // par.pipeline_repeats * micro * stored
-            again = per_chunk if par.stage_remat else 0.0
-            act = self._zero_bubble_held(cfg, sizes, micro, ab, layers // par.pipeline_repeats * micro * traced) + (
+            act = self._zero_bubble_held(cfg, sizes, micro, ab, kept_chunk) + (
                 max(again, lead * micro * lead_stored) + micro * working * wb)
         elif s_ > 1:  # the stage's buffer of all microbatches (the embedded batch on the first stage, the
             # outputs on the last) and its gradient (the embedding's output gradient is that buffer's)

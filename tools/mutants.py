@@ -610,7 +610,7 @@ MUTANTS = [
       "stash = 2 * ru.bwd * stored_bytes if", "stash = 0 * ru.bwd * stored_bytes if",
       ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
     M("kept-memory-stash-of-inputs", "memory-model", "jaxpar/plan.py",
-      "if par.stage_remat else slots * layers // r_ * micro * traced", "if par.stage_remat else 0.0",
+      "if par.stage_remat else slots * kept_chunk", "if par.stage_remat else 0.0",
       ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
     M("mm-cpu-experts-selected-twice", "memory-model", "jaxpar/plan.py",
       '            if sizes["pipe"] > 1:\n                layer -= per_device',

@@ -312,8 +312,9 @@ def stash_slots(stages: int, repeats: int = 1, microbatches: int | None = None) 
 
 
 def allocate(spans: dict) -> tuple[dict, int]:
-    """Buffer slots for values live over ``spans`` (key -> (written, last read), in half slots): the fewest
-    slots, a slot reused once its value's last read is before the next one's write."""
+    """Buffer slots for values live over ``spans`` (key -> (written, last read), in any unit of time: the
+    zero-bubble grid's half slots, 1F1B's iterations): the fewest slots, a slot reused once its value's
+    last read is before the next one's write."""
     free: list[int] = []
     busy: list[tuple[int, int]] = []  # (last read, slot)
     out, n = {}, 0
