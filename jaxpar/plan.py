@@ -34,7 +34,8 @@ it does not fit the device memory, and ranked by estimated step time. The model,
   ``5 d`` (norm outputs, residuals, projections; ``/ t`` under Megatron-SP) + the QKV, rotated q/k
   and attention outputs ``(4 H + 3 KV) hd / t`` + the MLP's ``(2|3) ff / t`` hidden (MoE:
   its rows per token: ``top_k x capacity_factor`` capacity slots, ``n_experts`` for a dropless capacity
-  dispatch, ``top_k`` sorted, ``top_k x capacity_factor`` in an exchange round) +
+  dispatch, ``top_k`` sorted, ``top_k x capacity_factor`` in an exchange round; and ``moe.shared_experts``,
+  one dense MLP of ``shared_experts x moe.d_ff`` on every token, kept as a dense layer's) +
   the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
   (``xla``; flash kernels do not). The layer whose backward runs also holds its MLP hidden's
   gradient and, under tensor parallelism, ``2 d`` of partial sums beside their reduced results.
@@ -448,6 +449,13 @@ class Planner:
                 # tensor; a policy that keeps mlp_down keeps the rounds' inputs, one that keeps mlp_up alone none
                 kept_ff, up, down = 2 * e.top_k * d * t, 0.0, e.top_k * d * t
                 none_ff = kept_ff
+            # the shared experts (moe.shared_experts): one dense MLP of their summed width beside the routed ones,
+            # run on every token and split over tensor, kept as a dense layer's MLP is
+            sh = e.shared_experts * (e.d_ff or m.d_ff)
+            ff += (3 if m.gated else 2) * sh
+            kept_ff += (3 if m.gated else 2) * sh
+            up += (2 if m.gated else 1) * sh
+            none_ff += NONE_KEPT_FF[str(m.mlp)] * sh
         # ring attention rematerialises each hop's [T/N, T/N] block in its backward (none kept); the local block
         # and the last hop run outside its loop of hops, so two blocks' worth are live
         ring = n > 1 and par.seq_attention == "ring"

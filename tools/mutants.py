@@ -547,6 +547,9 @@ MUTANTS = [
       'NONE_KEPT_FF = {"gelu": 6, "swiglu": 6,', 'NONE_KEPT_FF = {"gelu": 2, "swiglu": 3,',
       ["tests/test_plan.py::test_none_keeps_every_intermediate_of_the_nonlinearity[gelu]",
        "tests/test_plan.py::test_shipped_configs_memory_against_the_compiled_step[default.yaml-cpu-1]"]),
+    M("mm-shared-experts-keep-nothing", "memory-model", "jaxpar/plan.py",
+      "none_ff += NONE_KEPT_FF[str(m.mlp)] * sh", "none_ff += 0 * sh",
+      ["tests/test_plan.py::test_model_counts_the_shared_experts[none]"]),
     M("mm-lead-in-keeps-nothing", "memory-model", "jaxpar/plan.py",
       "ab + max(again, lead * micro * lead_stored)", "ab + again",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
