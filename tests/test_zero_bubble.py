@@ -299,22 +299,24 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
     1.15x of 1F1B's at the same S and M once 1F1B's stash is full (pipe=2, M = 8 >= 2S - 1, 4 sequences per
     microbatch): between a microbatch's F and its W a zero-bubble stage holds its residuals until B, then B's
     taps (the deferred matmuls' inputs and output cotangents, fewer than the residuals); at most S microbatches
-    between F and W against lock-step 1F1B's 2S - 1 between F and B. At M = S = 2, where 1F1B holds only the M
-    there are, ZB-V still is (4.8 against 4.4 MiB) and ZB-H1 is 1.3x (5.7 MiB): lock-step, every stage holds
-    the first stage's S residual slots and the last stage's S taps slots (its Ws deferred into the cool-down)."""
+    between F and W against lock-step 1F1B's 2S - 1 between F and B; and at the issue's S = 4, M = 8 (8 layers:
+    ZB-H1 0.99x, ZB-V 0.91x when measured). At M = S = 2, where 1F1B holds only the M there are, ZB-V still is
+    (4.8 against 4.4 MiB) and ZB-H1 is 1.3x (5.7 MiB): lock-step, every stage holds the first stage's S residual
+    slots and the last stage's S taps slots (its Ws deferred into the cool-down)."""
     temp = {}
-    for m in (2, 8):
+    for s_, m in ((2, 2), (2, 8), (4, 8)):
         for sched, r in (("1f1b", 1), ("zb_h1", 1), ("zb_v", 2)):
-            cfg = config("llama", model__n_layers=4, model__d_model=64, model__n_heads=8, model__n_kv_heads=8,
+            cfg = config("llama", model__n_layers=2 * s_, model__d_model=64, model__n_heads=8, model__n_kv_heads=8,
                          model__d_ff=128, model__vocab_size=250, model__seq_len=16, model__remat="none",
-                         parallel__pipe=2, parallel__microbatches=m, parallel__pipeline_schedule=sched,
+                         parallel__pipe=s_, parallel__microbatches=m, parallel__pipeline_schedule=sched,
                          parallel__pipeline_repeats=r, parallel__stage_remat=False, train__batch_size=4 * m)
-            temp[sched, m] = trainer(cfg, 2).compile()["memory"]["temp_size"]
+            temp[sched, s_, m] = trainer(cfg, s_).compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
-    assert temp["zb_h1", 8] <= 1.15 * temp["1f1b", 8], temp
-    for m in (2, 8):
-        assert temp["zb_v", m] <= 1.15 * temp["1f1b", m], temp
-    assert temp["zb_h1", 2] <= 1.35 * temp["1f1b", 2], temp
+    for s_, m in ((2, 8), (4, 8)):
+        assert temp["zb_h1", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
+    for s_, m in ((2, 2), (2, 8), (4, 8)):
+        assert temp["zb_v", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
+    assert temp["zb_h1", 2, 2] <= 1.35 * temp["1f1b", 2, 2], temp
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 16), (8, 16)])
