@@ -180,8 +180,7 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     from S up to one sequence per microbatch (S 2^i and the largest). ``phase="first"``: the few a first pass
     over every mesh tries (every ZeRO stage, remat none and full, 1F1B, R = 1 and the largest, the smallest and
     largest M). ``schedules``: the pipeline schedules tried (``zb_h1`` with R = 1, ``zb_v`` with R = 2; the
-    schedules other than GPipe with ``parallel.stage_remat`` true and, but in the first phase and with remat
-    ``full``, false). With
+    schedules other than GPipe with ``parallel.stage_remat`` true and, but in the first phase, false). With
     ``seq`` > 1, each context-parallel attention (``parallel.seq_attention``: ring, ulysses, all_gather) in
     both phases (a model whose heads ``seq`` does not split fails Ulysses' check)."""
     dp = sizes["data"] * sizes["expert"]
@@ -202,11 +201,12 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
     from jaxpar.layers.context_parallel import STRATEGIES
 
     attns = STRATEGIES if sizes["seq"] > 1 else (None,)
-    # a schedule that runs its own backward may keep its forwards' residuals (parallel.stage_remat=false): not
-    # with remat full, whose residuals are each layer's input and whose backward runs the layers again anyway
+    # a schedule that runs its own backward may keep its forwards' residuals (parallel.stage_remat=false; under
+    # remat full each layer's input: the backward runs each layer's forward once, not the stage's and then each
+    # layer's again inside it)
     keeps = (True, False) if s_ > 1 and not first else (True,)
     for zero, remat, sp, (sched, r_), attn, keep in itertools.product(zeros, remats, sps, runs, attns, keeps):
-        if not keep and (sched == "gpipe" or remat == "full"):
+        if not keep and sched == "gpipe":
             continue
         base = {**{f"parallel.{a}": v for a, v in sizes.items()}, "parallel.zero": zero, "model.remat": remat,
                 "parallel.megatron_sp": sp}

@@ -292,18 +292,19 @@ def _stack_flops(**lay):
     return f[1] - f[0]
 
 
-@pytest.mark.parametrize("sched", ["1f1b", "zb_h1"])
-def test_a_backward_from_kept_residuals_runs_no_forward_again(sched):
+@pytest.mark.parametrize("sched, remat", [("1f1b", "none"), ("zb_h1", "none"), ("1f1b", "full")])
+def test_a_backward_from_kept_residuals_runs_no_forward_again(sched, remat):
     """``parallel.stage_remat=false``: per device, the stack's matmul flops fall by exactly the forwards the
     backwards ran again, one chunk's forward of one microbatch per backward slot of the loop: 1F1B's M + S - 1
     steady iterations, ZB-H1's every one of its T slots (XLA:CPU's program holds every pass in every slot and
     counts it so). One chunk's forward of one microbatch is 1/(M S) of the unpipelined stack's forward, itself
     a third of that stack's matmul flops under ``remat=none`` (the backward's are two: the input's and the
-    weights')."""
+    weights'). Under ``remat=full`` too: the stage's forward run again keeps each layer's input only, and its
+    backward runs each layer's forward once more (the planner searches kept residuals under every policy)."""
     from jaxpar.layers.zero_bubble import tables
 
     s, m = 2, 2
-    lay = dict(parallel__pipe=s, parallel__microbatches=m, parallel__pipeline_schedule=sched, model__remat="none")
+    lay = dict(parallel__pipe=s, parallel__microbatches=m, parallel__pipeline_schedule=sched, model__remat=remat)
     saved = _stack_flops(**lay) - _stack_flops(**lay, parallel__stage_remat=False)
     runs = m + s - 1 if sched == "1f1b" else tables(sched, s, m)["slots"]
     forward = _stack_flops(model__remat="none") / 3

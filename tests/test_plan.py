@@ -580,6 +580,14 @@ def test_kept_residuals_in_the_time_and_memory_models():
         assert kept.budget["comm tensor"] == pytest.approx(passes[1] / passes[0] * again.budget["comm tensor"],
                                                            rel=0.02), sched
         assert "kept" in table([kept]) and "kept" not in table([again])
+    # remat full, as published: the stage's forward run again keeps each layer's input, and its backward runs each
+    # layer's forward once more (two forwards again per backward); from kept layer inputs, the layers' once
+    base = {**est.overrides, "model.remat": "full", "parallel.pipeline_repeats": 1, "parallel.pipeline_schedule": "1f1b"}
+    again, kept = planner.estimate(base), planner.estimate({**base, "parallel.stage_remat": False})
+    assert kept.budget["recompute"] == pytest.approx(again.budget["recompute"] / 2, rel=1e-9)
+    assert kept.step_seconds < again.step_seconds and kept.memory["activations"] > again.memory["activations"]
+    searched = [b for b, _ in options({"data": 32, "pipe": 2, "expert": 1, "seq": 1, "tensor": 8}, 1536, 48)]
+    assert any(b["model.remat"] == "full" and b.get("parallel.stage_remat") is False for b in searched)
 
 
 def test_explain_and_calibrate(tmp_path, capsys):

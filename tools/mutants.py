@@ -550,6 +550,9 @@ MUTANTS = [
     M("mm-shared-experts-keep-nothing", "memory-model", "jaxpar/plan.py",
       "none_ff += NONE_KEPT_FF[str(m.mlp)] * sh", "none_ff += 0 * sh",
       ["tests/test_plan.py::test_model_counts_the_shared_experts[none]"]),
+    M("mm-planner-skips-kept-full", "memory-model", "jaxpar/plan.py",
+      'if not keep and sched == "gpipe":', 'if not keep and (sched == "gpipe" or remat == "full"):',
+      ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
     M("mm-lead-in-keeps-nothing", "memory-model", "jaxpar/plan.py",
       "ab + max(again, lead * micro * lead_stored)", "ab + again",
       ["tests/test_plan.py::test_model_matches_the_compiled_step_when_weights_dominate[lead-none-data4-pipe2-zero1-"
