@@ -101,7 +101,8 @@ class ParallelConfig:
                                  "input (true: a stage keeps its inputs only) or, false, from the residuals its "
                                  "forward kept under model.remat (the forward runs once: about a quarter less "
                                  "compute, for each in-flight microbatch's activations; with model.remat=full, "
-                                 "each layer's input).")
+                                 "each layer's input, and the backward runs each layer's forward once, where the "
+                                 "stage's forward again runs it twice).")
     stage_layers: str = _f("", "Uneven pipeline stages: comma-separated layers of each stage in layer order (with "
                                "pipeline_repeats > 1, of each of the pipe x pipeline_repeats groups; a MoE model "
                                "counts its stacked groups), e.g. 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7. Empty = even, or "
