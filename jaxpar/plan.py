@@ -452,8 +452,8 @@ class Planner:
             # the shared experts (moe.shared_experts): one dense MLP of their summed width beside the routed ones,
             # run on every token and split over tensor, kept as a dense layer's MLP is
             sh = e.shared_experts * (e.d_ff or m.d_ff)
-            ff += (3 if m.gated else 2) * sh
-            kept_ff += (3 if m.gated else 2) * sh
+            shared_ff = (3 if m.gated else 2) * sh
+            ff, kept_ff = ff + shared_ff, kept_ff + shared_ff
             up += (2 if m.gated else 1) * sh
             none_ff += NONE_KEPT_FF[str(m.mlp)] * sh
         # ring attention rematerialises each hop's [T/N, T/N] block in its backward (none kept); the local block

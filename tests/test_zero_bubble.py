@@ -300,7 +300,7 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
     microbatch): between a microbatch's F and its W a zero-bubble stage holds its residuals until B, then B's
     taps (the deferred matmuls' inputs and output cotangents, fewer than the residuals); at most S microbatches
     between F and W against lock-step 1F1B's 2S - 1 between F and B; and at the issue's S = 4, M = 8 (8 layers:
-    ZB-H1 0.99x, ZB-V 0.91x when measured). At M = S = 2, where 1F1B holds only the M there are, ZB-V still is
+    ZB-H1 0.96x, ZB-V 0.90x when measured). At M = S = 2, where 1F1B holds only the M there are, ZB-V still is
     (4.8 against 4.4 MiB) and ZB-H1 is 1.3x (5.7 MiB): lock-step, every stage holds the first stage's S residual
     slots and the last stage's S taps slots (its Ws deferred into the cool-down)."""
     temp = {}
