@@ -95,7 +95,8 @@ class ParallelConfig:
                                          "1F1B's order with each backward split into the input's gradient and the "
                                          "weights', which fills the cool-down; a third of 1F1B's bubble, "
                                          "pipeline_repeats 1) or zb_v (zero bubble with two chunks per stage in a "
-                                         "V, stage s holding layer groups s and 2*pipe-1-s; pipeline_repeats 2).",
+                                         "V, stage s holding layer groups s and 2*pipe-1-s; pipeline_repeats 2, "
+                                         "implied when unset).",
                                 ("gpipe", "1f1b", "zb_h1", "zb_v"))
     stage_remat: bool = _f(True, "1f1b / zb_h1 / zb_v: a stage's backward runs its forward again from the kept "
                                  "input (true: a stage keeps its inputs only) or, false, from the residuals its "
@@ -690,6 +691,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ConfigError(f"{key}={value!r} contradicts model.init_from={init_from}, whose config.json has "
                               f"{key}={want!r}; drop the override")
         _set_dotted(tree, key, value)
+    # zb_v runs two chunks per stage, nothing else: pipeline_repeats, when the file and the command line leave it
+    # unset, is implied (the check below still names an explicit other value)
+    if (_get_dotted(tree, "parallel.pipeline_schedule") == "zb_v" and _get_dotted(tree, "parallel.pipeline_repeats")
+            is None and _get_dotted(tree, "parallel.pipe") not in (None, 1)):
+        _set_dotted(tree, "parallel.pipeline_repeats", 2)
     cfg = _build(Config, tree)
     validate(cfg)
     if cfg.model.init_from:

@@ -64,7 +64,7 @@ def test_overrides_and_yaml(tmp_path):
      "parallel.pipeline_schedule=zb_h1 runs one chunk of layers per stage: it needs parallel.pipeline_repeats=1"),
     (["parallel.pipe=2", "parallel.seq=2", "parallel.pipeline_schedule=zb_h1"],
      "parallel.pipeline_schedule=zb_h1 with parallel.seq > 1 needs parallel.seq_attention=all_gather or ulysses"),
-    (["parallel.pipe=2", "parallel.pipeline_schedule=zb_v"],
+    (["parallel.pipe=2", "parallel.pipeline_schedule=zb_v", "parallel.pipeline_repeats=1"],
      "parallel.pipeline_schedule=zb_v runs two chunks of layers per stage (down the stages and back up): it needs "
      "parallel.pipeline_repeats=2; got 1"),
     (["parallel.pipeline_schedule=zb"], "parallel.pipeline_schedule='zb' is not a valid choice; choose one of gpipe, "
@@ -82,6 +82,22 @@ def test_bad_config_values(over, needle):
     with pytest.raises(ConfigError, match=None) as e:
         load_config(None, over)
     assert needle in str(e.value), str(e.value)
+
+
+def test_zb_v_takes_its_two_chunks_when_pipeline_repeats_is_unset(tmp_path):
+    """ZB-V runs two chunks per stage and nothing else: an unset ``parallel.pipeline_repeats`` becomes 2 (from
+    the command line or a YAML file); an explicit other value is still an error, and with pipe=1 the message
+    names the schedule, which the user set, not the implied repeats."""
+    cfg = load_config(None, ["parallel.pipe=2", "parallel.pipeline_schedule=zb_v"])
+    assert cfg.parallel.pipeline_repeats == 2
+    f = tmp_path / "zb.yaml"
+    f.write_text("parallel:\n  pipe: 4\n  pipeline_schedule: zb_v\n  microbatches: 8\n")
+    assert load_config(f).parallel.pipeline_repeats == 2
+    assert load_config(f, ["parallel.pipeline_schedule=1f1b"]).parallel.pipeline_repeats == 1
+    with pytest.raises(ConfigError, match="it needs parallel.pipeline_repeats=2; got 3"):
+        load_config(f, ["parallel.pipeline_repeats=3"])
+    with pytest.raises(ConfigError, match="parallel.pipeline_schedule=zb_v has no effect with parallel.pipe=1"):
+        load_config(None, ["parallel.pipeline_schedule=zb_v"])
 
 
 @pytest.mark.parametrize("over, needle", [
