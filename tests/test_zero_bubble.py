@@ -241,6 +241,10 @@ def test_the_run_log_line_and_bubble():
     assert abs(describe("zb_v", 4, 8, lines.append) - 3 / 51) < 1e-12
     assert len(lines) == 2 and "ZB-H1" in lines[0] and "27 slots" in lines[0] and "4 stage inputs" in lines[0]
     assert "ZB-V" in lines[1] and "51 slots of one pass of a chunk" in lines[1], lines
+    # a default run (parallel.stage_remat: B runs the forward again) is told what its deferred Ws hold
+    lines.clear()
+    describe("zb_h1", 4, 8, lines.append, lengths_for(True))
+    assert len(lines) == 2 and "parallel.stage_remat=false" in lines[1] and "more memory than 1F1B" in lines[1]
 
 
 def test_stretch_with_the_passes_real_lengths():

@@ -192,6 +192,11 @@ def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQ
         f"(F, B or W, {built}), at most {sizes['x']} {what} and {sizes['w']} chunks' deferred weight-gradient "
         f"inputs held per stage, bubble {100 * bubble:.1f}% (1F1B: "
         f"{100 * (stages - 1) / (microbatches + stages - 1):.1f}%)")
+    if tuple(lengths) != EQUAL:  # parallel.stage_remat: 1F1B's backward would drop what these Ws hold
+        log("pipeline: each B runs its chunk's forward again from the kept input and each deferred W holds that "
+            "microbatch's matmul inputs and output cotangents, which 1F1B's backward drops at once: more memory "
+            "than 1F1B at the same S and M; parallel.stage_remat=false (the forward's residuals kept, no forward "
+            "run twice) holds about 1F1B's (docs/concepts/pipeline.md)")
     return bubble
 
 
