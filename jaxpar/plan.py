@@ -84,7 +84,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from jaxpar.cli import COUNT, ArgumentParser, command, number
-from jaxpar.config import Config, ConfigError, Range, validate
+from jaxpar.config import Config, ConfigError, ParallelConfig, Range, replaced, validate
 from jaxpar.mesh import AXES
 from jaxpar.plan_report import describe
 from jaxpar.steptime import Hardware
@@ -165,6 +165,9 @@ REMATS = ("none", "save_dots", "save_dots_except_mlp", "save_qkv_proj", "full", 
 # (the down projection's input), as JAX saves them (``saved_residuals`` of a block:
 # tests/test_plan.py::test_none_keeps_every_intermediate_of_the_nonlinearity); the remat policies keep only
 # named matmul outputs
+# the keys a layout sets (:meth:`Planner.config`): the range checks of every other key pass once for the plan
+PLANNED_KEYS = frozenset([("parallel", f.name) for f in dataclasses.fields(ParallelConfig)]
+                         + [("train", "grad_accum"), ("model", "remat")])
 NONE_KEPT_FF = {"gelu": 6, "swiglu": 6, "geglu": 8, "clamped_swiglu": 9}
 
 
@@ -249,15 +252,15 @@ class Planner:
         self.efficiency, self.platform = efficiency, platform
         self._models: dict[int, tuple] = {}
         self._layouts: dict[tuple, tuple[list, dict]] = {}
+        self._validated = False
 
     def config(self, overrides: dict) -> Config:
         """The config with a layout's ``parallel.*`` and ``model.remat`` overrides."""
-        par = dataclasses.replace(self.cfg.parallel, **{k.split(".")[1]: v for k, v in overrides.items()
-                                                          if k.startswith("parallel.")})
-        model = dataclasses.replace(self.cfg.model, remat=overrides.get("model.remat", self.cfg.model.remat))
-        train = dataclasses.replace(self.cfg.train, grad_accum=overrides.get("train.grad_accum",
-                                                                             self.cfg.train.grad_accum))
-        return dataclasses.replace(self.cfg, parallel=par, model=model, train=train)
+        par = replaced(self.cfg.parallel, **{k.split(".")[1]: v for k, v in overrides.items()
+                                             if k.startswith("parallel.")})
+        model = replaced(self.cfg.model, remat=overrides.get("model.remat", self.cfg.model.remat))
+        train = replaced(self.cfg.train, grad_accum=overrides.get("train.grad_accum", self.cfg.train.grad_accum))
+        return replaced(self.cfg, parallel=par, model=model, train=train)
 
     def _model(self, cfg: Config, tensor: int) -> tuple:
         """(abstract params, logical names) of the model at this tensor size (the vocabulary padding)."""
@@ -276,7 +279,8 @@ class Planner:
         """train.py's checks of a layout (ConfigError naming the reason)."""
         from jaxpar.partitioning import check_batch_fits, check_model_fits
 
-        validate(cfg)
+        validate(cfg, PLANNED_KEYS if self._validated else None)  # (the rest as in the first config checked)
+        self._validated = True
         check_model_fits(cfg.model, cfg.parallel, sizes, *cfg.moe.stacking(cfg.model.arch))
         check_batch_fits(cfg.train.batch_size, cfg.train.grad_accum, sizes, cfg.parallel.microbatches)
 

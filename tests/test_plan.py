@@ -705,3 +705,23 @@ def test_shipped_configs_memory_against_the_compiled_step(name, cluster, nodes, 
     compiled = json.loads(out.read_text())["per_device"]["total"]
     print(f"{name}: predicted {predicted / GIB:.1f} GiB, compiled {compiled / GIB:.1f} GiB")
     assert 0.9 < predicted / compiled < 1.1, (name, predicted / GIB, compiled / GIB)
+
+
+def test_every_layout_gets_the_range_checks_of_the_keys_it_sets():
+    """The planner range-checks every key of the first layout it estimates and, after that, the keys a layout
+    sets (``PLANNED_KEYS``: the rest are the same config's): a bad value of one of those is still the
+    ConfigError that train.py gives, at any point of the plan. The copies it makes of the config's sections
+    leave the config as it was."""
+    from jaxpar.config import replaced
+
+    cfg, ov = layout("gpt", dict(data=8))
+    planner = Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu")
+    planner.estimate(ov)
+    with pytest.raises(ConfigError, match="parallel.microbatches=-1 is out of range"):
+        planner.estimate({**ov, "parallel.microbatches": -1})
+    with pytest.raises(ConfigError, match="train.grad_accum=0 is out of range"):
+        planner.estimate({**ov, "train.grad_accum": 0})
+    assert planner.estimate(ov).memory == Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu").estimate(ov).memory
+    assert planner.config({**ov, "model.remat": "none"}).model.remat == "none" and cfg.model.remat == "full"
+    with pytest.raises(TypeError, match="ModelConfig has no field rematt"):
+        replaced(cfg.model, rematt="none")
