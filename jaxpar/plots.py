@@ -1,6 +1,9 @@
 """Charts: the pipeline schedule as a Gantt chart (stages against iterations).
 
     python -m jaxpar.plots --stages 4 --microbatches 8 [--repeats 2] [--schedule 1f1b|zb_h1|zb_v] --out schedule.png
+
+``--stages`` and ``--microbatches`` default to 4 and 8 (the docs' charts): ``python -m jaxpar.plots --schedule zb_v``
+draws ZB-V's.
 """
 
 from __future__ import annotations
@@ -144,8 +147,8 @@ def main(argv=None) -> int:
     import sys
 
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stages", type=COUNT, required=True, help=">= 1")
-    ap.add_argument("--microbatches", type=COUNT, required=True, help=">= 1")
+    ap.add_argument("--stages", type=COUNT, default=4, help=">= 1 (default 4)")
+    ap.add_argument("--microbatches", type=COUNT, default=8, help=">= 1 (default 8)")
     ap.add_argument("--repeats", type=COUNT, default=1, help=">= 1")
     ap.add_argument("--schedule", default="gpipe",
                     help="gpipe (circular with --repeats > 1), 1f1b (interleaved with --repeats > 1), zb_h1 or zb_v "

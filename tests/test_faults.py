@@ -459,6 +459,14 @@ def test_plots_cli_errors_are_one_line(tmp_path, args, needle):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_plots_cli_draws_the_docs_chart_with_no_sizes_given(tmp_path):
+    """``python -m jaxpar.plots --schedule zb_v`` (as the docs write it): 4 stages and 8 microbatches, a PNG."""
+    p = subprocess.run([sys.executable, "-m", "jaxpar.plots", "--schedule", "zb_v"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "pipeline_schedule.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_out_of_memory_message_names_the_need_and_the_cure():
     from types import SimpleNamespace
 
