@@ -572,14 +572,18 @@ class Planner:
         layer's experts and every kernel under Megatron-SP take their gradients in B), in the compute dtype (the
         taps are the matmuls' operands and cotangents as B makes them). With ``parallel.stage_remat=false``, in
         each chunk input's slot also the chunk's residuals (``per_chunk`` bytes: what the remat policy keeps of
-        a microbatch's pass through the chunk) and its output."""
+        a microbatch's pass through the chunk) and its output; without remat, held until W, which reads the
+        matmuls' inputs from them (the taps: the output cotangents alone)."""
         from jaxpar import comm
         from jaxpar.layers import zero_bubble as zb
 
         m, par = cfg.model.resolved(), cfg.parallel
         s_, m_ = sizes["pipe"], par.microbatches or sizes["pipe"]
-        lengths = zb.lengths_for(par.stage_remat)
-        tab = zb.tables(par.pipeline_schedule, s_, m_, lengths=lengths)
+        # kept residuals without remat: W reads its matmuls' inputs from them, kept until W; the taps are the
+        # output cotangents alone (jaxpar.layers.zero_bubble.inputs_from_residuals)
+        lengths, until = zb.passes_for(par.stage_remat, m.remat)
+        from_residuals = until == "W"
+        tab = zb.tables(par.pipeline_schedule, s_, m_, lengths=lengths, x_until=until)
         n = tab["sizes"]
         c_ = zb._embed_chunk(par.pipeline_schedule, s_, m_, lengths)
         d = m.d_model
@@ -590,18 +594,18 @@ class Planner:
             return held
         t, hd = sizes["tensor"], m.head_dim
         q, kv, o = m.n_heads * hd / t, m.n_kv_heads * hd / t, m.n_heads * (m.v_head_dim or hd) / t
-        attn = (d + q + 2 * kv) + (o + d)  # qkv: input and output cotangent; out: the same
         ff = (2 if m.gated else 1) * m.d_ff / t
-        mlp = (d + ff) + (m.d_ff / t + d)  # up (gate-up) and down
+        # per layer, the deferred matmuls' inputs and their output cotangents: qkv and out, up (gate-up) and down
+        attn, mlp = (d + o, q + 2 * kv + d), (d + m.d_ff / t, ff + d)
         lpg = comm.stage_layers(cfg, sizes)
-        if m.arch == "moe":  # one layer in `every` is a MoE layer, whose experts do not defer
-            moe_layers = lpg // cfg.moe.every
-            per = lpg * attn + (lpg - moe_layers) * mlp
-        else:
-            per = lpg * (attn + mlp)
+        dense = lpg - (lpg // cfg.moe.every if m.arch == "moe" else 0)  # a MoE layer's experts do not defer
+        x_per, dy_per = (lpg * attn[i] + dense * mlp[i] for i in (0, 1))
         # the taps of n["w"] microbatches in their buffer, and one more in flight (measured on XLA:CPU's
-        # programs: the switch's output, B's taps or the slot as it was, written after it)
-        return held + (n["w"] + 1) * micro * per * ab
+        # programs: the switch's output, B's taps or the slot as it was, written after it); with the inputs
+        # read from the residuals, the taps are the cotangents, and a W's inputs are one microbatch's copy
+        if from_residuals:
+            return held + ((n["w"] + 1) * dy_per + x_per) * micro * ab
+        return held + (n["w"] + 1) * micro * (x_per + dy_per) * ab
 
     def fitting(self, base: dict, micro, rejected: list) -> list[Estimate]:
         """The estimates of ``base`` (a mesh and its options) at the fewest accumulation microsteps k that fit

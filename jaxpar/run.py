@@ -74,7 +74,7 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
     if stages == 1:
         return None
     from jaxpar.layers.pipeline import bubble_fraction, in_flight
-    from jaxpar.layers.zero_bubble import describe as zb_describe, lengths_for
+    from jaxpar.layers.zero_bubble import describe as zb_describe, lengths_for, passes_for
     from jaxpar.plots import plot_schedule
 
     m, r = cfg.parallel.microbatches or stages, cfg.parallel.pipeline_repeats
@@ -90,7 +90,7 @@ def pipeline_report(cfg: Config, trainer: Trainer, out: Path | None, log) -> flo
                 f"{m * r + r * stages + stages - 2} iterations, at most {max(in_flight(stages, m, r))} chunk inputs "
                 f"held per stage, bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")
     elif kind in ("zb_h1", "zb_v"):  # logs its line; the bubble in slots of one pass
-        bubble = zb_describe(kind, stages, m, log, lengths_for(cfg.parallel.stage_remat))
+        bubble = zb_describe(kind, stages, m, log, *passes_for(cfg.parallel.stage_remat, cfg.model.resolved().remat))
     else:
         log(f"pipeline: {stages} stages, {m} microbatches, {r} repeat(s): {m * r + stages - 1} iterations, "
             f"bubble (S-1)/(M*R+S-1) = {100 * bubble:.1f}%")

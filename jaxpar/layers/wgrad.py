@@ -221,3 +221,39 @@ def weight_grads(found: dict[tuple, Site], taps: dict) -> dict[tuple, jax.Array]
         dk = jnp.einsum(f"a{batch}{ins},a{batch}{outs}->a{ins}{outs}", x, dy)
         out[p] = dk.astype(s.param_dtype)
     return out
+
+
+def inputs_from(taps_of, found: dict[tuple, Site], *args):
+    """W's matmul inputs read from what B's pullback is built of, where that takes no matmul: ``taps_of(*args)``
+    gives the taps (``{path: (x, dy)}``, from a pullback of kept residuals); the returned function of the same
+    ``args`` gives ``{path: x}`` alone, JAX's dead-code elimination having cut every other output (the cotangents,
+    and with them the backward) out of the traced program. With the forward's residuals kept and no remat, a
+    matmul's input is one of them, restacked over the layers: W can read it from the residuals, kept until W,
+    and the taps hold only the output cotangents. None where the inputs need a matmul (a remat policy's
+    recompute). The output cotangent (the last argument) may stay in the cut program, carried through the
+    backward's loops that JAX's elimination keeps: nothing the inputs are computed from, the caller passes
+    zeros."""
+    from jax._src import core
+    from jax._src.interpreters import partial_eval as pe
+
+    paths = list(found)
+    closed = jax.make_jaxpr(lambda *a: [taps_of(*a)[p][0] for p in paths])(*args)
+    jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
+    if _has_matmul(jaxpr, core):
+        return None
+    consts = closed.consts
+
+    def fn(*a):
+        leaves = [v for v, u in zip(jax.tree.leaves(a), used) if u]
+        return dict(zip(paths, core.eval_jaxpr(jaxpr, consts, *leaves)))
+
+    return fn
+
+
+def _has_matmul(jaxpr, core) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"):
+            return True
+        if any(_has_matmul(j, core) for j in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False

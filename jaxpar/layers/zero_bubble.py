@@ -74,6 +74,13 @@ def lengths_for(stage_remat: bool) -> tuple[float, float]:
     return (2.0, 1.0) if stage_remat else EQUAL
 
 
+def passes_for(stage_remat: bool, remat: str) -> tuple[tuple[float, float], str]:
+    """``(lengths, x_until)`` of a run's grid and buffers: the passes' lengths (:func:`lengths_for`) and the pass
+    that last reads a chunk's input or residuals (:func:`tables`): W where the forward's residuals are kept without
+    remat (W reads its matmuls' inputs there: :func:`inputs_from_residuals`), else B."""
+    return lengths_for(stage_remat), "W" if not stage_remat and remat == "none" else "B"
+
+
 @functools.lru_cache(maxsize=256)  # (the planner asks for the same S and M many times; callers do not mutate it)
 def orders(kind: str, stages: int, microbatches: int, lengths: tuple = EQUAL) -> list[list[Op]]:
     """Per stage, its passes in the order it runs them (module docstring); ZB-V's built for passes of
@@ -180,10 +187,10 @@ def schedule_zero_bubble(kind: str, stages: int, microbatches: int,
     return grid
 
 
-def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQUAL) -> float:
+def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQUAL, x_until: str = "B") -> float:
     """``log`` the run log's line on the schedule; its idle fraction (the ``bubble_fraction`` of metrics.jsonl)."""
     grid = schedule_zero_bubble(kind, stages, microbatches, lengths)
-    bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches, lengths=lengths)["sizes"]
+    bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches, lengths=lengths, x_until=x_until)["sizes"]
     name, unit, what = (("ZB-H1", "", "stage inputs") if kind == "zb_h1" else
                         ("ZB-V (two chunks per stage)", " of a chunk", "chunk inputs"))
     built = ("taken as equal" if kind == "zb_h1" or tuple(lengths) == EQUAL else
@@ -262,7 +269,8 @@ def device_of(kind: str, stages: int, c: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False, lengths: tuple = EQUAL) -> dict:
+def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False, lengths: tuple = EQUAL,
+           x_until: str = "B") -> dict:
     """The executor's program: per slot t and device d (``[T, S]`` int arrays) the pass (``op``: IDLE, FWD,
     BWD, WGT), its microbatch, its chunk's index on the device (``loc``), whether it is the model's first or
     last chunk, the buffer slots it reads and writes (``x``: the chunk input kept from its arrival to its B;
@@ -271,7 +279,8 @@ def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False
     :data:`SENDS` the pattern of senders (``pattern[k][t]``: an index into ``patterns[k]``, 0 none) and
     the slot each receiver files it in (``recv[k]``, -1: none); with the buffers' sizes. ``forward_only``:
     the forwards alone, each as soon as its input is there (an evaluation, or logits), its input kept until
-    it runs."""
+    it runs. ``x_until="W"``: a chunk input's slot (and the residuals kept in it) held until its W, which reads
+    its matmuls' inputs from them (:func:`inputs_from_residuals`)."""
     s_, m_ = stages, microbatches
     n = chunks(kind, s_)
     stage_orders = orders(kind, s_, m_, lengths)
@@ -282,7 +291,7 @@ def tables(kind: str, stages: int, microbatches: int, forward_only: bool = False
     at = {op: t for row in timed for op, t in row.items()}
     dev = [device_of(kind, s_, c) for c in range(n)]
     # spans in half slots: a pass of slot t computes at 2t + 1, what it sends is filed at 2t + 2
-    read = "F" if forward_only else "B"  # the pass that reads a chunk's input last
+    read = "F" if forward_only else x_until  # the pass that reads a chunk's input (or its residuals) last
     xs = {(m, c): ((2 * at[("F", m, c)] + 1) if c == 0 else (2 * at[("F", m, c - 1)] + 2), 2 * at[(read, m, c)] + 1)
           for m in range(m_) for c in range(n)}
     gs = {} if forward_only else {(m, c): (2 * at[("B", m, c + 1)] + 2, 2 * at[("B", m, c)] + 1)
@@ -357,17 +366,18 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
     with M; one reduction over the batch axes per C microbatches). With ``stage_remat=False``
     (``parallel.stage_remat``) F keeps the residuals of B's ``jax.vjp`` (and its output, for the last
     chunk's loss) in its input's slot and B runs from them, the chunk's forward not run again
-    (:class:`~jaxpar.layers.residuals.Residuals`). Held per device: the chunk inputs (and residuals)
-    of its passes between F and B (``tables(...)["sizes"]["x"]``, S on ZB-H1's first stage) and the B
+    (:class:`~jaxpar.layers.residuals.Residuals`); where the matmuls' inputs are among those residuals (no
+    remat), the residuals stay until W, which reads the inputs there (:func:`inputs_from_residuals`), and
+    B's taps are the output cotangents alone. Held per device: the chunk inputs (and residuals) of its
+    passes between F and B, or W (``tables(...)["sizes"]["x"]``, S on ZB-H1's first stage) and the B
     taps of its passes between B and W (``["w"]``: every deferred matmul's input and output cotangent,
-    a microbatch's activations of ``model.remat=none`` for each).
+    a microbatch's activations of ``model.remat=none`` for each; or the cotangents alone).
     """
     from jaxpar.layers import wgrad
     from jaxpar.layers.pipeline import ACT, Around, _put, _take
 
     s_, m_ = stages, microbatches
     lengths = lengths_for(stage_remat)  # the order of ZB-V's passes is built for their lengths
-    tab = tables(kind, s_, m_, lengths=lengths)
     c_ = _embed_chunk(kind, s_, m_, lengths)  # the first chunk's input gradients kept for the embedding's gradient
     o = Around(first_fn, last_fn, lead_fn, params, outer, tokens, targets, rows, microbatches=m_,
                ys_weights=ys_weights)
@@ -380,10 +390,13 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
         return stage_fn(jax.tree.unflatten(o.treedef, group_leaves), x, select=(r * lg, lg), rows=rows)
 
     ys_shape = o.stage_outputs(stage, n_local * lg)
-    program: dict = {k: jnp.asarray(tab[k]) for k in ("op", "m", "loc", "first", "last", "x", "g", "w", "self_x",
-                                                 "self_g")}
-    program["pattern"] = [jnp.asarray(p) for p in tab["pattern"]]
-    program["recv"] = [jnp.asarray(r) for r in tab["recv"]]
+    programs: dict[str, dict] = {}  # the executor's program, by the pass that last reads a chunk's input (or residuals)
+    for until in ("B",) if stage_remat else ("B", "W"):
+        tab_ = tables(kind, s_, m_, lengths=lengths, x_until=until)
+        programs[until] = {k: jnp.asarray(tab_[k]) for k in ("op", "m", "loc", "first", "last", "x", "g", "w",
+                                                             "self_x", "self_g")}
+        programs[until]["pattern"] = [jnp.asarray(p) for p in tab_["pattern"]]
+        programs[until]["recv"] = [jnp.asarray(r) for r in tab_["recv"]]
 
     def local(p_leaves, o_leaves, toks, tgts, rws):
         s = jax.lax.axis_index("pipe")
@@ -392,15 +405,24 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
         group = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in p_leaves]
         found = wgrad.sites(lambda p, x, r: stage(p, x, 0, r), group, act, _take(rws, 0))
         kernel_at = wgrad.kernel_leaves(jax.tree.unflatten(o.treedef, list(p_leaves)), found)
-        taps0 = wgrad.zero_taps(found, lg)
-        sz = tab["sizes"]
 
         def split_vjp(kn, x):  # B's vjp (its kernels' weight gradients deferred), its output y kept for the loss
             out, pullback = wgrad.vjp(lambda p, x: stage(p, x, kn[1], kn[2]), found, lg, kn[0], x)
             return out, (pullback, (out[0] if has_ys else out).astype(x0.dtype))
 
-        res = None if stage_remat else Residuals(split_vjp, (list(p_leaves), jnp.zeros((), jnp.int32), _take(rws, 0)),
-                                                 act)
+        known0 = (list(p_leaves), jnp.zeros((), jnp.int32), _take(rws, 0))
+        res = None if stage_remat else Residuals(split_vjp, known0, act)
+        # kept residuals, no remat: W reads its matmuls' inputs from them (kept until W), the taps hold only the
+        # output cotangents (:func:`inputs_from_residuals`)
+        xs_of = None if stage_remat else inputs_from_residuals(res, found, known0, act)
+        ct0 = None if xs_of is None else jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lambda k, x: res.forward(k, x)[0], known0, act))
+        until = "B" if xs_of is None else "W"
+        tab, program = tables(kind, s_, m_, lengths=lengths, x_until=until), programs[until]
+        taps0 = wgrad.zero_taps(found, lg)
+        if xs_of is not None:
+            taps0 = {p: dy for p, (_, dy) in taps0.items()}
+        sz = tab["sizes"]
         c = dict(
             x=jnp.zeros((sz["x"], *x0.shape), x0.dtype), g=jnp.zeros((sz["g"], *x0.shape), x0.dtype),
             kept=None if stage_remat else [jnp.zeros((sz["x"], *a.shape), a.dtype) for a in res.kept],
@@ -453,11 +475,17 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
             dgroup, dx, taps = pullback(o.output_cotangent(out, g))
             dx = o.lead_backward(c, o_leaves, toks, m, first, dx)
             c["dins"] = _put(c["dins"], dx, m % c_, first)  # for the embedding's weight gradient (its W)
+            if xs_of is not None:  # (the inputs: read again from the residuals at the W)
+                taps = {p: dy for p, (_, dy) in taps.items()}
             return c, dx, writes(c, a, w=taps, dgroups=[d.astype(v.dtype) for v, d in zip(p_leaves, dgroup)])
 
         def weights(c, a):
             c = dict(c)
-            grads = wgrad.weight_grads(found, _take(c["w"], a["w"]))
+            taps = _take(c["w"], a["w"])
+            if xs_of is not None:
+                xs = xs_of((list(p_leaves), a["loc"], _take(rws, a["m"])), _take(c["kept"], a["x"]), ct0)
+                taps = {p: (xs[p], dy) for p, dy in taps.items()}
+            grads = wgrad.weight_grads(found, taps)
             dgroups = [jnp.zeros(v.shape, v.dtype) for v in p_leaves]
             for path, dk in grads.items():
                 i = kernel_at[path]
@@ -494,6 +522,16 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
         return o.finish(c, c["douter"])
 
     return o.differentiate(local, primal, ys_shape)
+
+
+def inputs_from_residuals(res: Residuals, found: dict, known, act):
+    """``(known, kept) -> {path: x}``: the deferred matmuls' inputs read from a chunk's kept residuals (no
+    matmul run: :func:`jaxpar.layers.wgrad.inputs_from`), or None where a remat policy recomputes them."""
+    from jaxpar.layers import wgrad
+
+    out = jax.eval_shape(lambda k, x: res.forward(k, x)[0], known, act)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (known, res.kept, out))
+    return wgrad.inputs_from(lambda k, kept, ct: res.pullback(k, kept)[0](ct)[-1], found, *shapes)
 
 
 def _write(buf, value, slot):
