@@ -320,9 +320,9 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
         assert temp["zb_h1", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
     for s_, m in ((2, 2), (2, 8), (4, 8)):
         assert temp["zb_v", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
-    # W reads its matmuls' inputs from the kept residuals, the taps are the output cotangents alone (1.09x and
-    # 1.30x when the taps held the inputs too)
-    assert temp["zb_h1", 2, 8] <= 1.05 * temp["1f1b", 2, 8], temp
+    # W reads its matmuls' inputs from the kept residuals, the taps are the output cotangents alone (0.96x and
+    # 1.24x when the taps held the inputs too)
+    assert temp["zb_h1", 4, 8] <= 0.93 * temp["1f1b", 4, 8], temp
     assert temp["zb_h1", 2, 2] <= 1.25 * temp["1f1b", 2, 2], temp
 
 

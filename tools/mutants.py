@@ -505,7 +505,7 @@ MUTANTS = [
       "(ru.flushes > 1 or (ru.zb and platform == \"cpu\")) and lookup", "ru.flushes > 1 and lookup",
       ["tests/test_comm.py::test_collectives_match_the_model[pipe-zb_h1]"]),
     M("mm-zb-taps-not-in-flight", "memory-model", "jaxpar/plan.py",
-      "(n[\"w\"] + 1) * micro * per * ab", "n[\"w\"] * micro * per * ab",
+      "(n[\"w\"] + 1) * micro * (x_per + dy_per) * ab", "n[\"w\"] * micro * (x_per + dy_per) * ab",
       ["tests/test_plan.py::test_model_matches_the_compiled_step[data2-pipe2-tensor2-zero1-microbatches4-"
        "pipeline_schedulezb_h1-gpt]"]),
     M("st-zb-bubble-as-lock-step-slots", "memory-model", "jaxpar/layers/zero_bubble.py",
