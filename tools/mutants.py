@@ -612,6 +612,10 @@ MUTANTS = [
     M("kept-zb-taps-keep-the-inputs", "pipeline-stage-remat", ZB,
       "xs_of = None if stage_remat else inputs_from_residuals(res, found, known0, act)", "xs_of = None",
       ["tests/test_zero_bubble.py::test_kept_residuals_hold_zero_bubble_memory_near_1f1b"]),
+    M("mm-kept-forward-residuals-not-in-flight", "memory-model", "jaxpar/plan.py",
+      "0.0 if f1b and par.pipeline_repeats > 1 else kept_chunk)", "0.0)",
+      ["tests/test_plan.py::test_model_matches_the_compiled_step_for_kept_residuals_without_remat["
+       "data4-pipe2-microbatches4-pipeline_schedule1f1b-stage_rematFalse-gpt]"]),
     M("kept-comm-forward-run-again", "comm-model", "jaxpar/comm.py",
       "fwd_runs = k * f1b_iters * lpg + (bwd_runs if again else 0)", "fwd_runs = k * f1b_iters * lpg + bwd_runs",
       ["tests/test_plan.py::test_kept_residuals_in_the_time_and_memory_models"]),
