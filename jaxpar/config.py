@@ -735,9 +735,13 @@ def check_ranges(cfg: Config, keys: Collection[tuple[str, str]] | None = None) -
     if not _RANGED:
         _RANGED.extend((sec.name, f, f.metadata["range"]) for sec in dataclasses.fields(Config)
                        for f in dataclasses.fields(getattr(cfg, sec.name)) if f.metadata.get("range") is not None)
-    if keys is not None and frozenset(keys) not in _RANGED_BY_KEYS:
-        _RANGED_BY_KEYS[frozenset(keys)] = [x for x in _RANGED if (x[0], x[1].name) in keys]
-    for name, f, rng in _RANGED if keys is None else _RANGED_BY_KEYS[frozenset(keys)]:
+    ranged = _RANGED
+    if keys is not None:
+        keys = frozenset(keys)
+        if keys not in _RANGED_BY_KEYS:
+            _RANGED_BY_KEYS[keys] = [x for x in _RANGED if (x[0], x[1].name) in keys]
+        ranged = _RANGED_BY_KEYS[keys]
+    for name, f, rng in ranged:
         v = getattr(getattr(cfg, name), f.name)
         if v is not None and v not in rng:
             raise ConfigError(f"{name}.{f.name}={v!r} is out of range: it must be "

@@ -603,7 +603,7 @@ class Planner:
         attn, mlp = (d + o, q + 2 * kv + d), (d + m.d_ff / t, ff + d)
         lpg = comm.stage_layers(cfg, sizes)
         dense = lpg - (lpg // cfg.moe.every if m.arch == "moe" else 0)  # a MoE layer's experts do not defer
-        x_per, dy_per = (lpg * attn[i] + dense * mlp[i] for i in (0, 1))
+        x_per, dy_per = lpg * attn[0] + dense * mlp[0], lpg * attn[1] + dense * mlp[1]
         # the taps of n["w"] microbatches in their buffer, and one more in flight (measured on XLA:CPU's
         # programs: the switch's output, B's taps or the slot as it was, written after it); with the inputs
         # read from the residuals, the taps are the cotangents, and a W's inputs are one microbatch's copy

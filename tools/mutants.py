@@ -607,7 +607,7 @@ MUTANTS = [
       "return out, (pullback, x.astype(x0.dtype))",
       [f"{PIPE_EQ}[gpt2-pipe=4-microbatches=8-data=2-pipeline_schedule=zb_h1-stage_remat=False-at=none]"]),
     M("kept-zb-w-inputs-of-another-slot", "pipeline-stage-remat", ZB,
-      '_take(c["kept"], a["x"]), ct0)', '_take(c["kept"], a["w"]), ct0)',
+      'a["m"])), _take(c["kept"], a["x"]))', 'a["m"])), _take(c["kept"], a["w"]))',
       [f"{PIPE_EQ}[gpt2-pipe=4-microbatches=8-data=2-pipeline_schedule=zb_h1-stage_remat=False-at=none]"]),
     M("kept-zb-taps-keep-the-inputs", "pipeline-stage-remat", ZB,
       "xs_of = None if stage_remat else inputs_from_residuals(res, found, known0, act)", "xs_of = None",

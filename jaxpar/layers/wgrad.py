@@ -239,7 +239,7 @@ def inputs_from(taps_of, found: dict[tuple, Site], *args):
     paths = list(found)
     closed = jax.make_jaxpr(lambda *a: [taps_of(*a)[p][0] for p in paths])(*args)
     jaxpr, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), instantiate=True)
-    if _has_matmul(jaxpr, core):
+    if _has_matmul(jaxpr):
         return None
     consts = closed.consts
 
@@ -250,10 +250,13 @@ def inputs_from(taps_of, found: dict[tuple, Site], *args):
     return fn
 
 
-def _has_matmul(jaxpr, core) -> bool:
+def _has_matmul(jaxpr) -> bool:
+    """Whether ``jaxpr`` or a program nested in it (a scan's body, a remat's) multiplies matrices."""
+    from jax._src import core
+
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"):
             return True
-        if any(_has_matmul(j, core) for j in core.jaxprs_in_params(eqn.params)):
+        if any(_has_matmul(j) for j in core.jaxprs_in_params(eqn.params)):
             return True
     return False

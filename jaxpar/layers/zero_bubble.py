@@ -415,8 +415,6 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
         # kept residuals, no remat: W reads its matmuls' inputs from them (kept until W), the taps hold only the
         # output cotangents (:func:`inputs_from_residuals`)
         xs_of = None if stage_remat else inputs_from_residuals(res, found, known0, act)
-        ct0 = None if xs_of is None else jax.tree.map(
-            lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lambda k, x: res.forward(k, x)[0], known0, act))
         until = "B" if xs_of is None else "W"
         tab, program = tables(kind, s_, m_, lengths=lengths, x_until=until), programs[until]
         taps0 = wgrad.zero_taps(found, lg)
@@ -483,7 +481,7 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
             c = dict(c)
             taps = _take(c["w"], a["w"])
             if xs_of is not None:
-                xs = xs_of((list(p_leaves), a["loc"], _take(rws, a["m"])), _take(c["kept"], a["x"]), ct0)
+                xs = xs_of((list(p_leaves), a["loc"], _take(rws, a["m"])), _take(c["kept"], a["x"]))
                 taps = {p: (xs[p], dy) for p, dy in taps.items()}
             grads = wgrad.weight_grads(found, taps)
             dgroups = [jnp.zeros(v.shape, v.dtype) for v in p_leaves]
@@ -531,7 +529,11 @@ def inputs_from_residuals(res: Residuals, found: dict, known, act):
 
     out = jax.eval_shape(lambda k, x: res.forward(k, x)[0], known, act)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (known, res.kept, out))
-    return wgrad.inputs_from(lambda k, kept, ct: res.pullback(k, kept)[0](ct)[-1], found, *shapes)
+    fn = wgrad.inputs_from(lambda k, kept, ct: res.pullback(k, kept)[0](ct)[-1], found, *shapes)
+    if fn is None:
+        return None
+    # (the output cotangent the cut program may still carry: zeros, nothing the inputs are made of)
+    return lambda k, kept: fn(k, kept, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), out))
 
 
 def _write(buf, value, slot):
