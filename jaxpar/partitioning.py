@@ -286,9 +286,14 @@ def check_batch_fits(batch_size: int, grad_accum: int, sizes: dict[str, int], mi
     if sizes["pipe"] > 1:
         m = microbatches or sizes["pipe"]
         if micro % m or (micro // m) % dp:
+            fits = [k for k in range(sizes["pipe"], micro // dp + 1) if micro % k == 0 and (micro // k) % dp == 0]
+            given = f"parallel.microbatches={m}" + ("" if microbatches else " (unset: one per stage)")
+            fix = (f"set parallel.microbatches to {'one of ' * (len(fits) > 1)}{', '.join(map(str, fits))}" if fits else
+                   f"make train.batch_size / train.grad_accum a multiple of {sizes['pipe'] * dp} "
+                   f"(parallel.pipe x data x expert)")
             raise ConfigError(f"train.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} sequences "
-                              f"must split into parallel.microbatches={m} microbatches, each divisible by the "
-                              f"batch-parallel size data*expert={dp}")
+                              f"must split into {given} microbatches, each divisible by the batch-parallel size "
+                              f"data*expert={dp}; {fix}")
         return
     if micro % dp:
         raise ConfigError(f"train.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} sequences "

@@ -513,6 +513,28 @@ def test_bad_pipeline_input(layout, needle):
     assert needle in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("batch, micro, fits", [(12, 0, [3]), (16, 3, [2, 4]), (10, 0, [])])
+def test_a_batch_that_does_not_split_names_the_microbatch_counts_that_do(batch, micro, fits):
+    """pipe=2 x data=4: a batch the microbatches cannot split evenly over ``data`` is refused with the counts
+    that split it (each then builds), or, where none does, the batch multiple that would; an unset
+    ``parallel.microbatches`` is named as the default it is (one per stage)."""
+    import re
+
+    over = dict(**L4, parallel__pipe=2, parallel__data=4, train__batch_size=batch)
+    with pytest.raises(ConfigError) as e:
+        trainer(config("gpt2", **over, parallel__microbatches=micro))
+    msg = str(e.value)
+    assert ("(unset: one per stage)" in msg) == (micro == 0), msg
+    if fits:
+        listed = [int(k) for k in re.search(r"set parallel\.microbatches to (?:one of )?([\d, ]+)", msg)[1].split(",")]
+        assert listed == fits, msg
+        for k in fits:
+            trainer(config("gpt2", **over, parallel__microbatches=k))
+    else:
+        assert "a multiple of 8 (parallel.pipe x data x expert)" in msg, msg
+        trainer(config("gpt2", **{**over, "train__batch_size": 16}))
+
+
 # --- the router losses on, as in a real run ---------------------------------------------------------
 # A pipeline of M microbatches adds each microbatch's router losses, averaged over the microbatches: the balance
 # loss E sum_i f_i P_i is a product of two batch means, so this is not the whole batch's value. The reference is
