@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import config, trainer
+from helpers import command_env, config, trainer
 from jaxpar.config import ConfigError
 
 F32 = 4
@@ -160,3 +160,52 @@ def test_replication_report_and_guard():
     with pytest.raises(ConfigError, match=r"parallel.max_replicated_fraction=0.5: this layout keeps 87.5%"):
         trainer(config("llama", parallel__data=8, parallel__max_replicated_fraction=0.5))
     trainer(config("llama", parallel__data=8, parallel__zero=3, parallel__max_replicated_fraction=0.05))
+
+
+def test_xla_memory_tool_finds_the_peak_with_the_loop_carried_buffers(tmp_path):
+    """``tools/xla_memory.py`` on a dump of a scan's gradient: its heap is the compiled program's temp_size, its
+    live peak within it, and the buffers it lists at the peak include the scan's stacked residuals (a loop's
+    carried value, ``(phi)`` in the buffer assignment: 8 layers x [256, 256] float32, counted by hand), which a
+    reading of the plain values alone misses."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import json, sys, jax, jax.numpy as jnp\n"
+        "def f(x, w):\n"
+        "    def layer(h, wi):\n"
+        "        return jnp.tanh(h @ wi), None\n"
+        "    return jnp.sum(jax.lax.scan(layer, x, w)[0])\n"
+        "x, w = jnp.ones((256, 256)), jnp.ones((8, 256, 256)) * 0.01\n"
+        "c = jax.jit(jax.grad(f, argnums=1)).lower(x, w).compile()\n"
+        "json.dump({'temp': c.memory_analysis().temp_size_in_bytes}, open(sys.argv[1], 'w'))\n")
+    out = tmp_path / "mem.json"
+    import os
+
+    # the tests' flags and a dump; no compilation cache (a program read from it is not compiled, nor dumped)
+    env = command_env(1, XLA_FLAGS=os.environ["JAXPAR_TEST_XLA_FLAGS"] + f" --xla_dump_to={tmp_path / 'dump'}",
+                      JAX_ENABLE_COMPILATION_CACHE="false")
+    p = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    temp = json.loads(out.read_text())["temp"]
+    sys.path.insert(0, str(root / "tools"))
+    try:
+        import xla_memory
+    finally:
+        sys.path.remove(str(root / "tools"))
+    dump = tmp_path / "dump"
+    found = max(dump.glob("*jit_f*-buffer-assignment.txt"), key=lambda p: p.stat().st_size)
+    prog = xla_memory.read(found, found.with_name(found.name.replace("-buffer-assignment", "-live-range")))
+    assert prog["heap"] == temp
+    stacked = 8 * 256 * 256 * 4
+    length = max(prog["sequence"]) + 1
+    live = xla_memory.live_bytes(prog["values"], length)
+    assert stacked <= max(live) <= temp, (max(live), temp)
+    carried = [v for v in prog["values"] if v[1] == stacked and "{" in v[0]]
+    assert carried, [v[:2] for v in prog["values"] if v[1] >= stacked]
+    text = xla_memory.report(dump, "jit_f", top=5)
+    assert f"heap (temp_size): {temp / 2**20:.2f} MiB" in text, text
+    assert f"{stacked / 2**20:9.2f} MiB" in text.split("largest:")[1], text
