@@ -304,9 +304,11 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
     microbatch): between a microbatch's F and its W a zero-bubble stage holds its residuals (W reads its
     matmuls' inputs from them) and, from B, B's taps (the deferred matmuls' output cotangents); at most S
     microbatches between F and W against lock-step 1F1B's 2S - 1 between F and B; and at the issue's S = 4,
-    M = 8 (8 layers: ZB-H1 0.90x, ZB-V 0.90x when measured). At M = S = 2, where 1F1B holds only the M there
-    are, ZB-V still is (4.4 against 4.4 MiB) and ZB-H1 is 1.2x (5.2 MiB): lock-step, every stage holds the
-    first stage's S residual slots and the last stage's S taps slots (its Ws deferred into the cool-down)."""
+    M = 8 (8 layers: ZB-H1 0.86x, ZB-V 0.90x when measured). At M = S = 2, where 1F1B holds only the M there
+    are, ZB-V still is (4.4 against 4.4 MiB) and ZB-H1 1.13x (4.9 MiB): lock-step, every stage holds the
+    first stage's S residual slots and the last stage's S taps slots (its Ws deferred into the cool-down).
+    B's loop over the layers reads each layer's residuals from the slot (``Residuals.apply_reading``):
+    given the slot whole, XLA copied it as the loop's operand (ZB-H1 at M = S = 2: 5.2 MiB, 1.20x)."""
     temp = {}
     for s_, m in ((2, 2), (2, 8), (4, 8)):
         for sched, r in (("1f1b", 1), ("zb_h1", 1), ("zb_v", 2)):
@@ -316,14 +318,12 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
                          parallel__pipeline_repeats=r, parallel__stage_remat=False, train__batch_size=4 * m)
             temp[sched, s_, m] = trainer(cfg, s_).compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
-    for s_, m in ((2, 8), (4, 8)):
-        assert temp["zb_h1", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
     for s_, m in ((2, 2), (2, 8), (4, 8)):
+        assert temp["zb_h1", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
         assert temp["zb_v", s_, m] <= 1.15 * temp["1f1b", s_, m], temp
-    # W reads its matmuls' inputs from the kept residuals, the taps are the output cotangents alone (0.96x and
-    # 1.24x when the taps held the inputs too)
-    assert temp["zb_h1", 4, 8] <= 0.93 * temp["1f1b", 4, 8], temp
-    assert temp["zb_h1", 2, 2] <= 1.25 * temp["1f1b", 2, 2], temp
+    # W reads its matmuls' inputs from the kept residuals, the taps are the output cotangents alone (0.96x
+    # when the taps held the inputs too), and B reads the residuals a layer at a time (0.90x when it did not)
+    assert temp["zb_h1", 4, 8] <= 0.88 * temp["1f1b", 4, 8], temp
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (4, 16), (8, 16)])
@@ -381,3 +381,45 @@ def test_w_reads_the_matmul_inputs_from_the_residuals_where_no_matmul_makes_them
     # an input that a matmul makes (recomputed under a remat policy): not read from the residuals
     assert wgrad.inputs_from(lambda res, ct: {"kernel": (res[0] @ res[1], ct)}, found, (spec(xs), spec(w)),
                              spec(ct)) is None
+
+
+def test_a_backward_reads_its_kept_residuals_a_layer_at_a_time():
+    """``Residuals.apply_reading``: the pullback of a stage (a scan over its layers inside a ``jit``, each layer
+    a ``jit`` too, and a residual used outside the loop) with its kept residuals left in a buffer of slots
+    gives the cotangents of ``jax.vjp`` of the stage itself; the residuals the layers' loop scans are read a
+    layer at a time (``read(i, j)``, never whole), the others whole."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpar.layers.residuals import Residuals, slot_reader
+
+    n_layers, d = 3, 8
+
+    @jax.jit
+    def layer(h, w):
+        return jnp.tanh(h @ w) * h
+
+    def stage(w, x):
+        h = jax.jit(lambda w, x: jax.lax.scan(lambda h, wi: (layer(h, wi), None), x, w)[0])(w, x)
+        return jnp.sin(h) * x  # x kept outside the loop
+
+    w = jax.random.normal(jax.random.key(0), (n_layers, d, d)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (4, d))
+    res = Residuals(lambda k, x: jax.vjp(lambda x: stage(k, x), x), w, x)
+    out, kept = res.forward(w, x)
+    slots, slot = 3, 1
+    bufs = [jnp.stack([k + 7.0 * s for s in range(slots)]) - 7.0 * slot for k in kept]  # the slot holds kept
+    calls = []
+
+    def read(i, j):
+        calls.append((i, j is None))
+        return slot_reader(bufs, slot)(i, j)
+
+    ct = jax.random.normal(jax.random.key(2), out.shape)
+    (got,) = res.apply_reading(w, read, lambda p, ct: p(ct), ct)
+    (want,) = jax.vjp(lambda x: stage(w, x), x)[1](ct)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    stacked = {i for i, k in enumerate(kept) if k.shape[:1] == (n_layers,) and k.ndim == 3}
+    assert stacked and all(not whole for i, whole in calls if i in stacked), calls
+    assert any(whole for i, whole in calls if i not in stacked), calls

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.layers.loss import min_chunks
 from jaxpar.layers.onstage import only_where
-from jaxpar.layers.residuals import Residuals
+from jaxpar.layers.residuals import Residuals, slot_reader
 from jaxpar.partitioning import RuleSet, active_rules, constrain, use_rules
 
 
@@ -525,8 +525,10 @@ def one_f_one_b(stage_fn, first_fn, last_fn, params, outer, tokens, targets, *,
                 out, pullback = jax.vjp(lambda p, x: stage(p, x, br, bm_rows), p_leaves, x)
             else:
                 out = (None, ys_shape)
-                pullback = res.pullback((list(p_leaves), br, bm_rows),
-                                        [_row(buf, at, a.dtype) for buf, a in zip(c["stash"], res.kept)])
+                read = slot_reader(c["stash"], at, [a.dtype for a in res.kept])
+
+                def pullback(ct):  # the layers' backward reading the row's residuals a layer at a time
+                    return res.apply_reading((list(p_leaves), br, bm_rows), read, lambda p, ct: p(ct), ct)
             dgroup, dx = pullback(o.output_cotangent(out, g))
             c["dgroups"] = [a + jnp.where(b_ok, d, 0).astype(a.dtype) for a, d in zip(c["dgroups"], dgroup)]
             dx = o.lead_backward(c, o_leaves, toks, bmm, (s == 0) & (br == 0) & b_ok, jnp.where(b_ok, dx, 0))

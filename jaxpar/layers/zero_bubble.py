@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.layers.pipeline import allocate, peak_held
-from jaxpar.layers.residuals import Residuals
+from jaxpar.layers.residuals import Residuals, slot_reader
 from jaxpar.partitioning import constrain
 
 KINDS = ("zb_h1", "zb_v")
@@ -468,7 +468,11 @@ def zero_bubble_loss(kind: str, stage_fn, first_fn, last_fn, params, outer, toke
                 out, (pullback, y) = split_vjp((list(p_leaves), a["loc"], rows_m), _take(c["x"], a["x"]))
             else:
                 out = (None, ys_shape)
-                pullback, y = res.pullback((list(p_leaves), a["loc"], rows_m), _take(c["kept"], a["x"]))
+                known, read = (list(p_leaves), a["loc"], rows_m), slot_reader(c["kept"], a["x"])
+                y = res.apply_reading(known, read, lambda p: p[1])
+
+                def pullback(ct):  # the layers' backward reading the slot's residuals a layer at a time
+                    return res.apply_reading(known, read, lambda p, ct: p[0](ct), ct)
             g = o.loss_cotangent(c, o_leaves, y, tgts, m, last, last, _take(c["g"], a["g"]))
             dgroup, dx, taps = pullback(o.output_cotangent(out, g))
             dx = o.lead_backward(c, o_leaves, toks, m, first, dx)
