@@ -23,7 +23,8 @@ it does not fit the device memory, and ranked by estimated step time. The model,
 * **activations**: per layer and token, what the backward keeps. ``full`` remat (and ``offload``, on
   the device): the block input (``d``; ``d / t`` under Megatron-SP) in every layer, plus one layer's
   working set and its weights in the compute layout (its gradient before the reduction, under ZeRO-3 the
-  gathered copy, in the sorted dispatch's exchange rounds the experts' gradient summed over rounds);
+  gathered copy, in the sorted dispatch's exchange rounds the experts' gradient summed over rounds and its
+  zeros, in the compute dtype);
   ``save_dots``, ``save_dots_except_mlp``, ``save_qkv_proj``: the input and the named matmul outputs the policy saves
   that the backward reads (``qkv_proj (H + 2 KV) hd / t``, ``attention H hd / t``, ``mlp_up
   (2|1) ff / t``; ``out_proj`` and ``mlp_down`` feed a residual add, whose backward does not read
@@ -38,7 +39,9 @@ it does not fit the device memory, and ranked by estimated step time. The model,
   one dense MLP of ``shared_experts x moe.d_ff`` on every token, kept as a dense layer's) +
   the attention probabilities ``2 H T_kv / t`` in float32 when the kernel materialises them
   (``xla``; flash kernels do not). The layer whose backward runs also holds its MLP hidden's
-  gradient and, under tensor parallelism, ``2 d`` of partial sums beside their reduced results.
+  gradient and, under tensor parallelism, ``2 d`` of partial sums beside their reduced results; in a
+  sorted dispatch's exchange rounds, their backward's rows and the tiles' hidden as counted from XLA's
+  live ranges (:meth:`Planner._exchange_working_set`).
   Tokens per device: ``B / grad_accum / (data x expert) x T / seq``;
   a GPipe pipeline keeps ``(M R + S - 1) / (M R)`` times its stage's share and its buffer of all
   microbatches with its gradient; 1F1B keeps the stage
@@ -366,8 +369,10 @@ class Planner:
         # layer's activations are done with (its weight gradients come last): the larger of the two counts
         slots = next(x.shape[0] for x in leaves if x.stage) // sizes["pipe"]
         exchanged = m.arch == "moe" and cfg.moe.dispatch_path() == "sorted" and sizes["expert"] > 1
-        layer = per_device("compute", pb, stage_only=True) / slots * (
-            1 + (sizes["pipe"] > 1) + (par.zero >= 3) + 2 * exchanged)
+        layer = per_device("compute", pb, stage_only=True) / slots * (1 + (sizes["pipe"] > 1) + (par.zero >= 3))
+        # (the rounds' sum of the experts' gradient and its zeros: the experts' weights as the rounds take them,
+        # in the compute dtype; Mixtral 8x7B's compiled step, two bfloat16 copies)
+        layer += 2 * exchanged * per_device("compute", ab, stage_only=True, experts=True) / slots
         if self.platform == "cpu" and ab < 4 and m.arch == "moe" and cfg.moe.dispatch_path() == "sorted":
             # XLA:CPU converts a layer's bfloat16 experts to float32 for the sorted dispatch's tile matmuls
             # outside the loop over tiles: all of them at once. In a pipeline stage that convert is the experts'
@@ -433,6 +438,7 @@ class Planner:
         tokens = rows * tl
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
         ff = (3 if m.gated else 2) * m.d_ff
+        rounds = 0.0  # a sorted dispatch's exchange rounds: their backward beyond the routed MLP's count
         up: float = (2 if m.gated else 1) * m.d_ff  # the up (gate-up) projection's output
         kept_ff = ff
         # without remat a layer keeps every intermediate of its nonlinearity (:data:`NONE_KEPT_FF`)
@@ -453,6 +459,9 @@ class Planner:
                 # tensor; a policy that keeps mlp_down keeps the rounds' inputs, one that keeps mlp_up alone none
                 kept_ff, up, down = 2 * e.top_k * d * t, 0.0, e.top_k * d * t
                 none_ff = kept_ff
+                # their backward's working set, counted as itself (:meth:`_exchange_working_set`) in place of
+                # the routed MLP's hidden and rows beyond the sorted rows (kept)
+                rounds = self._exchange_working_set(cfg, sizes, ab) - e.top_k * d - (2 * ff - kept_ff) / t
             # the shared experts (moe.shared_experts): one dense MLP of their summed width beside the routed ones,
             # run on every token and split over tensor, kept as a dense layer's MLP is
             sh = e.shared_experts * (e.d_ff or m.d_ff)
@@ -488,7 +497,7 @@ class Planner:
         # and, in the one layer whose backward runs: the MLP hidden's gradient, and under tensor parallelism
         # the partial sums reduced over tensor ([tokens, d]: a row-parallel layer's output, a column-parallel
         # layer's input gradient) beside their reduced results, and the attention's gradients
-        working = kept + (ff + ff - kept_ff) / t + (2 * d if t > 1 else 0) + (sq_work - sq_kept) * square
+        working = kept + (ff + ff - kept_ff) / t + rounds + (2 * d if t > 1 else 0) + (sq_work - sq_kept) * square
         # what each layer keeps between its forward and its backward, in bytes: all of the above without remat
         # (its input at the stored width, the rest at the working width); with a policy, its input and the named
         # matmul outputs it saves that the backward reads (out_proj and mlp_down feed a residual add, whose
@@ -566,6 +575,37 @@ class Planner:
                      "stored": stored,
                      "working": micro * working * wb}
         return act, logits, apart, per_token
+
+    def _exchange_working_set(self, cfg: Config, sizes: dict, ab: int) -> float:
+        """Elements per token (at the working width) that the backward of a sorted dispatch's exchange round
+        holds (:func:`jaxpar.layers.moe_dispatch.sum_rounds` runs the round's forward again and takes its
+        VJP): the round's ``R = expert x c`` received rows, padded to the tiles' ``P`` rows, and the layer's
+        ``A = top_k x tokens`` sorted rows, ``d`` wide and whole over tensor, beside the tiles' hidden
+        intermediates (``NONE_KEPT_FF`` of them, the experts' width split over tensor). Read from XLA's live
+        ranges (``tools/xla_memory.py``) at the two peaks it has: at an exchange's all-to-all, three
+        ``P``-row buffers (the tiles, their outputs, the cotangents scattered into them), four ``R``-row ones
+        (the exchange's in and out, both ways) and three ``A``-row ones (the sorted rows, their cotangent and
+        its sum over rounds), the hidden as stored (``configs/deepseek_moe.yaml``: ``d`` wide against experts
+        of width 64); in a tile's backward, the hidden at the working width (XLA:CPU converts a stored
+        bfloat16 one to float32 there, one still stored beside) with two ``P``-row, one ``R``-row and three
+        ``A``-row buffers (Mixtral 8x7B, experts of width 14336). A layer's backward reaches the larger."""
+        from jaxpar.layers.moe_dispatch import round_rows, tile_count, tile_rows
+
+        m, e, t, ep = cfg.model.resolved(), cfg.moe, sizes["tensor"], sizes["expert"]
+        g = cfg.train.batch_size // cfg.train.grad_accum // (sizes["data"] * ep) * m.seq_len // sizes["seq"]
+        if sizes["pipe"] > 1:
+            g //= cfg.parallel.microbatches or sizes["pipe"]
+        g = max(1, g)
+        a = e.top_k * g
+        r = ep * round_rows(a, ep, e.capacity_factor)
+        local = e.n_experts // ep
+        rows = tile_rows(r, local, self.platform)
+        p = tile_count(r, local, rows) * rows
+        hidden = NONE_KEPT_FF[str(m.mlp)] * (e.d_ff or m.d_ff) / t * p / g
+        wb = 4 if self.platform == "cpu" else ab
+        at_exchange = hidden * ab / wb + (3 * p + 4 * r + 3 * a) / g * m.d_model
+        in_tile = hidden * (1 + ab / wb / NONE_KEPT_FF[str(m.mlp)]) + (2 * p + r + 3 * a) / g * m.d_model
+        return max(at_exchange, in_tile)
 
     def _zero_bubble_held(self, cfg: Config, sizes: dict, micro: float, ab: int, per_chunk: float) -> float:
         """What a zero-bubble grid's device holds between its passes (:func:`jaxpar.layers.zero_bubble.tables`'
