@@ -620,7 +620,12 @@ SHIPPED = [("gpt3_175b.yaml", "h100x8", 128), ("mixtral_8x7b.yaml", "h100x8", 32
            ("qwen3_30b_a3b.yaml", "h100x8", 8), ("gpt_oss_20b.yaml", "h100x8", 4), ("llama3_8b.yaml", "h100x8", 1),
            ("mistral_7b.yaml", "h100x8", 1), ("qwen2.5_7b.yaml", "h100x8", 1), ("qwen3_8b.yaml", "h100x8", 1),
            ("gemma3_4b.yaml", "h100x8", 1), ("gpt2_124m.yaml", "h100x8", 1), ("llama_1b.yaml", "h100x8", 1),
-           ("default.yaml", "cpu", 1), ("moe.yaml", "cpu", 1), ("deepseek_moe.yaml", "cpu", 1)]
+           ("default.yaml", "cpu", 1), ("moe.yaml", "cpu", 1), ("deepseek_moe.yaml", "cpu", 1),
+           ("long_run.yaml", "cpu", 1)]
+# (and configs/long_context.yaml, 16k tokens over seq=8 with ring attention: its time, not yet its memory, which
+# the model puts at 0.35 of the compiled step's, whose ring loop keeps each hop's score blocks; chat_finetune.yaml
+# needs the model it fine-tunes)
+TIME_ONLY = [("long_context.yaml", "cpu", 1)]
 
 
 @pytest.mark.slow
@@ -633,7 +638,7 @@ def test_shipped_configs_against_the_first_choice():
     from jaxpar.plan import describe
     from jaxpar.plan_report import layout_of
 
-    for name, cluster, nodes in SHIPPED:
+    for name, cluster, nodes in SHIPPED + TIME_ONLY:
         cfg = load_config(f"configs/{name}")
         ov = layout_of(cfg, CLUSTERS[cluster].per_node * nodes)
         base = dataclasses.replace(cfg, parallel=type(cfg.parallel)(stage_layers=cfg.parallel.stage_layers))
