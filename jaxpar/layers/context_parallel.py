@@ -25,7 +25,8 @@ it): ulysses' is plain causal; all_gather's is causal shifted by the device's fi
 statistics (log-sum-exp) *with their gradient*, and neither fused kernel gives that through JAX's
 public API (cuDNN's ``return_residual`` statistics get no cotangent in its VJP; the Pallas kernels
 refuse to differentiate when they return them). Each ring block is an online-softmax update
-rematerialised in the backward, so its memory is one ``[T/N, T/N]`` block per head group.
+rematerialised in the backward, so its memory is one ``[T/N, T/N]`` block per head group (with the
+layers rematerialised; without remat the loop over the hops still keeps each hop's: see :func:`_update`).
 """
 
 from __future__ import annotations
