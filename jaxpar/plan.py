@@ -439,6 +439,11 @@ class Planner:
         d, hd, h, kv = m.d_model, m.head_dim, m.n_heads, m.n_kv_heads
         ff = (3 if m.gated else 2) * m.d_ff
         rounds = 0.0  # a sorted dispatch's exchange rounds: their backward beyond the routed MLP's count
+        cpu = self.platform == "cpu"
+        # XLA:CPU runs bfloat16 matmuls in float32: a layer's working set is float32 (wb), and its input, kept
+        # for the backward, is kept as stored and, for part of the layers, converted too (sb: 4.8 to 6.4 bytes
+        # per element measured on GPT-3 175B, 5 taken), as are the matmul outputs a policy saves
+        wb, sb = (4, ab + 3 if ab < 4 else ab) if cpu else (ab, ab)
         up: float = (2 if m.gated else 1) * m.d_ff  # the up (gate-up) projection's output
         kept_ff = ff
         # without remat a layer keeps every intermediate of its nonlinearity (:data:`NONE_KEPT_FF`)
@@ -461,7 +466,9 @@ class Planner:
                 none_ff = kept_ff
                 # their backward's working set, counted as itself (:meth:`_exchange_working_set`) in place of
                 # the routed MLP's hidden and rows beyond the sorted rows (kept)
-                rounds = self._exchange_working_set(cfg, sizes, ab) - e.top_k * d - (2 * ff - kept_ff) / t
+                run = tokens // (par.microbatches or sizes["pipe"]) if sizes["pipe"] > 1 else tokens
+                rounds = self._exchange_working_set(cfg, sizes, ab, wb, max(1, run)) - e.top_k * d - (
+                    2 * ff - kept_ff) / t
             # the shared experts (moe.shared_experts): one dense MLP of their summed width beside the routed ones,
             # run on every token and split over tensor, kept as a dense layer's MLP is
             sh = e.shared_experts * (e.d_ff or m.d_ff)
@@ -476,11 +483,6 @@ class Planner:
         kernel = choose(m.attention, dtype=jnp.bfloat16 if ab == 2 else jnp.float32, head_dim=hd, n_heads=h,
                         n_kv_heads=kv, platform=self.platform, seq_len=m.seq_len,
                         cudnn_head_dim=self.cluster.cudnn_head_dim)
-        cpu = self.platform == "cpu"
-        # XLA:CPU runs bfloat16 matmuls in float32: a layer's working set is float32 (wb), and its input, kept
-        # for the backward, is kept as stored and, for part of the layers, converted too (sb: 4.8 to 6.4 bytes
-        # per element measured on GPT-3 175B, 5 taken), as are the matmul outputs a policy saves
-        wb, sb = (4, ab + 3 if ab < 4 else ab) if cpu else (ab, ab)
         # one float32 [T, T] tensor per head of the reference attention (in wb units): the scores and the
         # probabilities are kept; a backward holds them with their two gradients (XLA:CPU: three tensors at
         # short sequences, four from 1024 tokens; GPU: the two it keeps). With attention sinks, the scores
@@ -576,11 +578,12 @@ class Planner:
                      "working": micro * working * wb}
         return act, logits, apart, per_token
 
-    def _exchange_working_set(self, cfg: Config, sizes: dict, ab: int) -> float:
+    def _exchange_working_set(self, cfg: Config, sizes: dict, ab: int, wb: int, g: int) -> float:
         """Elements per token (at the working width) that the backward of a sorted dispatch's exchange round
         holds (:func:`jaxpar.layers.moe_dispatch.sum_rounds` runs the round's forward again and takes its
-        VJP): the round's ``R = expert x c`` received rows, padded to the tiles' ``P`` rows, and the layer's
-        ``A = top_k x tokens`` sorted rows, ``d`` wide and whole over tensor, beside the tiles' hidden
+        VJP), for ``g`` tokens a layer run (a microbatch) on a device, ``ab`` / ``wb`` the stored and working
+        widths: the round's ``R = expert x c`` received rows, padded to the tiles' ``P`` rows, and the layer's
+        ``A = top_k x g`` sorted rows, ``d`` wide and whole over tensor, beside the tiles' hidden
         intermediates (``NONE_KEPT_FF`` of them, the experts' width split over tensor). Read from XLA's live
         ranges (``tools/xla_memory.py``) at the two peaks it has: at an exchange's all-to-all, three
         ``P``-row buffers (the tiles, their outputs, the cotangents scattered into them), four ``R``-row ones
@@ -592,17 +595,12 @@ class Planner:
         from jaxpar.layers.moe_dispatch import round_rows, tile_count, tile_rows
 
         m, e, t, ep = cfg.model.resolved(), cfg.moe, sizes["tensor"], sizes["expert"]
-        g = cfg.train.batch_size // cfg.train.grad_accum // (sizes["data"] * ep) * m.seq_len // sizes["seq"]
-        if sizes["pipe"] > 1:
-            g //= cfg.parallel.microbatches or sizes["pipe"]
-        g = max(1, g)
         a = e.top_k * g
         r = ep * round_rows(a, ep, e.capacity_factor)
         local = e.n_experts // ep
         rows = tile_rows(r, local, self.platform)
         p = tile_count(r, local, rows) * rows
         hidden = NONE_KEPT_FF[str(m.mlp)] * (e.d_ff or m.d_ff) / t * p / g
-        wb = 4 if self.platform == "cpu" else ab
         at_exchange = hidden * ab / wb + (3 * p + 4 * r + 3 * a) / g * m.d_model
         in_tile = hidden * (1 + ab / wb / NONE_KEPT_FF[str(m.mlp)]) + (2 * p + r + 3 * a) / g * m.d_model
         return max(at_exchange, in_tile)
