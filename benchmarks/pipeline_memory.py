@@ -6,13 +6,14 @@
 1. The MaxText comparison layout (Llama-style, emb 256, 4 heads, MLP 1024, 4 layers, vocab 8192 untied,
    seq 256, batch 8, float32, remat full, pipe=2 x data=4, 2 microbatches): arguments + outputs +
    temporaries - aliased (``memory_analysis()``) for the circular schedule (2 repeats), 1F1B,
-   interleaved 1F1B (2 chunks per stage), 1F1B with ZeRO-1, ZB-H1 and ZB-V.
+   interleaved 1F1B (2 chunks per stage), 1F1B with ZeRO-1, ZB-H1 and ZB-V, each stage's forward run again for
+   its backward (``parallel.stage_remat=true``).
 2. Temporaries against the microbatch count M at a fixed microbatch size (Llama, d 64, 4 layers,
    seq 16, pipe=2, 4 sequences per microbatch): GPipe keeps every microbatch, 1F1B at most 2S - 1,
    interleaved 1F1B at most (R + 1) S - 1 chunk inputs, ZB-H1 at most S stage inputs and the deferred weight
-   gradients' inputs of at most S microbatches.
-3. Both with ``parallel.stage_remat=false`` and ``model.remat=none`` ("kept": each backward from the residuals
-   its forward kept, no forward run twice; the zero-bubble paper's setting): 1F1B, ZB-H1 and ZB-V.
+   gradients' inputs of at most S microbatches (``parallel.stage_remat=true`` too).
+3. Both with ``model.remat=none`` and the default ``parallel.stage_remat=false`` ("kept": each backward from the
+   residuals its forward kept, no forward run twice; the zero-bubble paper's setting): 1F1B, ZB-H1 and ZB-V.
 
 Nothing is timed: the numbers are the compiler's buffer assignment, the same on any machine.
 """
@@ -34,6 +35,7 @@ MAXTEXT = {"model.style": "llama", "model.d_model": 256, "model.n_heads": 4, "mo
            "model.compute_dtype": "float32", "train.batch_size": 8, "parallel.pipe": 2, "parallel.data": 4,
            "parallel.tensor": 1, "parallel.microbatches": 2, "data.source": "synthetic"}
 KEPT = {"parallel.stage_remat": False, "model.remat": "none"}
+AGAIN = {"parallel.stage_remat": True}  # each stage's forward run again for its backward
 TINY = {"model.style": "llama", "model.n_layers": 4, "model.d_model": 64, "model.n_heads": 8, "model.n_kv_heads": 8,
         "model.d_ff": 128, "model.vocab_size": 250, "model.seq_len": 16, "parallel.pipe": 2, "parallel.data": 1,
         "parallel.tensor": 1, "data.source": "synthetic"}
@@ -64,12 +66,12 @@ def main(argv=None) -> int:
     out: dict = {"maxtext": {}, "microbatches": {}}
     print("MaxText comparison layout, per device (arguments + outputs + temporaries - aliased):")
     for name, extra in [("circular (2 repeats)", {"parallel.pipeline_repeats": 2}),
-                        ("1f1b", {"parallel.pipeline_schedule": "1f1b"}),
+                        ("1f1b", {"parallel.pipeline_schedule": "1f1b", **AGAIN}),
                         ("interleaved 1f1b (R=2)", {"parallel.pipeline_schedule": "1f1b",
-                                                    "parallel.pipeline_repeats": 2}),
-                        ("1f1b, zero=1", {"parallel.pipeline_schedule": "1f1b", "parallel.zero": 1}),
-                        ("zb_h1", {"parallel.pipeline_schedule": "zb_h1"}),
-                        ("zb_v", {"parallel.pipeline_schedule": "zb_v", "parallel.pipeline_repeats": 2}),
+                                                    "parallel.pipeline_repeats": 2, **AGAIN}),
+                        ("1f1b, zero=1", {"parallel.pipeline_schedule": "1f1b", "parallel.zero": 1, **AGAIN}),
+                        ("zb_h1", {"parallel.pipeline_schedule": "zb_h1", **AGAIN}),
+                        ("zb_v", {"parallel.pipeline_schedule": "zb_v", "parallel.pipeline_repeats": 2, **AGAIN}),
                         *((f"{n}, kept, remat none", {**o, **KEPT}) for n, o in (
                             ("1f1b", {"parallel.pipeline_schedule": "1f1b"}),
                             ("zb_h1", {"parallel.pipeline_schedule": "zb_h1"}),
@@ -79,9 +81,9 @@ def main(argv=None) -> int:
         print(f"  {name:29s} total {mem['total'] / MIB:7.1f} MiB  (arguments {mem['argument_size'] / MIB:.1f}, "
               f"temporaries {mem['temp_size'] / MIB:.1f})")
     print("temporaries against M, 4 sequences per microbatch:")
-    for name, sched, r, extra in (("gpipe", "gpipe", 1, {}), ("1f1b", "1f1b", 1, {}),
-                                  ("interleaved 1f1b (R=2)", "1f1b", 2, {}), ("zb_h1", "zb_h1", 1, {}),
-                                  ("zb_v", "zb_v", 2, {}), ("1f1b, kept, remat none", "1f1b", 1, KEPT),
+    for name, sched, r, extra in (("gpipe", "gpipe", 1, {}), ("1f1b", "1f1b", 1, AGAIN),
+                                  ("interleaved 1f1b (R=2)", "1f1b", 2, AGAIN), ("zb_h1", "zb_h1", 1, AGAIN),
+                                  ("zb_v", "zb_v", 2, AGAIN), ("1f1b, kept, remat none", "1f1b", 1, KEPT),
                                   ("zb_h1, kept, remat none", "zb_h1", 1, KEPT),
                                   ("zb_v, kept, remat none", "zb_v", 2, KEPT)):
         temps = {m: memory({**TINY, "parallel.microbatches": m, "parallel.pipeline_schedule": sched,

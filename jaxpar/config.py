@@ -110,12 +110,12 @@ class ParallelConfig:
                                          "V, stage s holding layer groups s and 2*pipe-1-s; pipeline_repeats 2, "
                                          "implied when unset).",
                                 ("gpipe", "1f1b", "zb_h1", "zb_v"))
-    stage_remat: bool = _f(True, "1f1b / zb_h1 / zb_v: a stage's backward runs its forward again from the kept "
-                                 "input (true: a stage keeps its inputs only) or, false, from the residuals its "
-                                 "forward kept under model.remat (the forward runs once: about a quarter less "
-                                 "compute, for each in-flight microbatch's activations; with model.remat=full, "
-                                 "each layer's input, and the backward runs each layer's forward once, where the "
-                                 "stage's forward again runs it twice).")
+    stage_remat: bool = _f(False, "1f1b / zb_h1 / zb_v: a stage's backward runs from the residuals its forward "
+                                  "kept under model.remat (false: the forward runs once, each in-flight "
+                                  "microbatch's activations held as model.remat keeps them; with model.remat=full "
+                                  "each layer's input) or, true, its forward again from the kept stage input (a "
+                                  "stage keeps its inputs only, for about a third more compute; with "
+                                  "model.remat=full the backward then runs each layer's forward twice).")
     stage_layers: str = _f("", "Uneven pipeline stages: comma-separated layers of each stage in layer order (with "
                                "pipeline_repeats > 1, of each of the pipe x pipeline_repeats groups; a MoE model "
                                "counts its stacked groups), e.g. 7,8,8,8,8,8,8,8,8,8,8,8,8,8,8,7. Empty = even, or "
@@ -770,12 +770,12 @@ def validate(cfg: Config, ranged: Collection[tuple[str, str]] | None = None) -> 
                "parallel.pipeline_repeats" if par.pipeline_repeats != 1 else "parallel.pipeline_schedule")
         raise ConfigError(f"{key}={getattr(par, key.split('.')[1])} has no effect with parallel.pipe=1 (it "
                           "configures the pipeline); remove it or set parallel.pipe > 1")
-    if not par.stage_remat and (par.pipe == 1 or par.pipeline_schedule == "gpipe"):
-        raise ConfigError("parallel.stage_remat=false has no effect "
+    if par.stage_remat and (par.pipe == 1 or par.pipeline_schedule == "gpipe"):
+        raise ConfigError("parallel.stage_remat=true has no effect "
                           + ("with parallel.pipe=1" if par.pipe == 1 else "with parallel.pipeline_schedule=gpipe "
                              "(its backward is the scan's, which keeps what model.remat keeps)")
-                          + ": it keeps a stage's forward residuals for 1f1b, zb_h1 and zb_v; remove it or set "
-                          "parallel.pipeline_schedule=1f1b")
+                          + ": it runs a stage's forward again for its backward in 1f1b, zb_h1 and zb_v; remove "
+                          "it or set parallel.pipeline_schedule=1f1b")
     if par.stage_layers and par.pipe == 1:
         raise ConfigError(f"parallel.stage_layers={par.stage_layers} has no effect with parallel.pipe=1 (it splits "
                           "the layers over pipeline stages); remove it or set parallel.pipe > 1")

@@ -220,8 +220,8 @@ def options(sizes: dict, batch: int, n_layers: int, platform: str = "gpu", phase
             base["parallel.seq_attention"] = attn
         if s_ > 1:
             base.update({"parallel.pipeline_schedule": sched, "parallel.pipeline_repeats": r_})
-        if not keep:
-            base["parallel.stage_remat"] = False
+        if sched != "gpipe":  # explicit both ways (the default, false, keeps them)
+            base["parallel.stage_remat"] = keep
 
         def micro(k: int, base=base, r_=r_):
             """The microbatch counts of k accumulation microsteps."""
@@ -614,15 +614,15 @@ class Planner:
         layer's experts and every kernel under Megatron-SP take their gradients in B), in the compute dtype (the
         taps are the matmuls' operands and cotangents as B makes them). With ``parallel.stage_remat=false``, in
         each chunk input's slot also the chunk's residuals (``per_chunk`` bytes: what the remat policy keeps of
-        a microbatch's pass through the chunk) and its output; without remat, held until W, which reads the
-        matmuls' inputs from them (the taps: the output cotangents alone)."""
+        a microbatch's pass through the chunk) and its output; under a policy that keeps the matmuls' inputs
+        (none, save_dots), held until W, which reads them there (the taps: the output cotangents alone)."""
         from jaxpar import comm
         from jaxpar.layers import zero_bubble as zb
 
         m, par = cfg.model.resolved(), cfg.parallel
         s_, m_ = sizes["pipe"], par.microbatches or sizes["pipe"]
-        # kept residuals without remat: W reads its matmuls' inputs from them, kept until W; the taps are the
-        # output cotangents alone (jaxpar.layers.zero_bubble.inputs_from_residuals)
+        # kept residuals under a policy that keeps the matmuls' inputs (zero_bubble.INPUTS_KEPT): W reads them
+        # there, kept until W; the taps are the output cotangents alone (zero_bubble.inputs_from_residuals)
         lengths, until = zb.passes_for(par.stage_remat, m.remat)
         from_residuals = until == "W"
         tab = zb.tables(par.pipeline_schedule, s_, m_, lengths=lengths, x_until=until)

@@ -198,6 +198,8 @@ def layout_of(cfg, devices: int | None = None) -> dict:
     if sizes["pipe"] > 1:
         ov.update({"parallel.pipeline_schedule": par.pipeline_schedule,
                    "parallel.pipeline_repeats": par.pipeline_repeats})
+        if par.pipeline_schedule != "gpipe":
+            ov["parallel.stage_remat"] = par.stage_remat
     if sizes["seq"] > 1:
         ov["parallel.seq_attention"] = par.seq_attention
     return ov

@@ -93,9 +93,11 @@ CASES = [
                        model__remat="full")),
     ("moe", dict(parallel__pipe=2, parallel__expert=2, parallel__pipeline_repeats=2, parallel__microbatches=4,
                  parallel__pipeline_schedule="zb_v")),
-    # parallel.stage_remat=false: each backward from the residuals its forward kept (those of the weights alone
-    # computed again), under every schedule that runs its own backward, every remat policy's kind, with data,
-    # tensor (+ Megatron-SP, seq), ZeRO-1 + accumulation, MoE with capacity and sorted dispatch
+    # parallel.stage_remat=false (the default, which the cases above do not take: the test sets
+    # parallel.stage_remat=true where a case leaves it unset, each stage's forward run again for its backward):
+    # each backward from the residuals its forward kept (those of the weights alone computed again), under every
+    # schedule that runs its own backward, every remat policy's kind, with data, tensor (+ Megatron-SP, seq),
+    # ZeRO-1 + accumulation, MoE with capacity and sorted dispatch
     ("gpt2", dict(parallel__pipe=2, parallel__microbatches=4, parallel__pipeline_schedule="1f1b",
                   parallel__stage_remat=False, model__remat="none")),
     ("llama_gqa", dict(parallel__pipe=2, parallel__pipeline_repeats=2, parallel__microbatches=4, parallel__data=2,
@@ -127,6 +129,8 @@ MOE = dict(model__arch="moe", moe__n_experts=4, moe__top_k=2, moe__capacity_fact
 @pytest.mark.parametrize("style, layout", CASES, ids=[f"{s}-{'-'.join(f'{k[10:]}={v}' for k, v in l.items())}"
                                                        for s, l in CASES])
 def test_loss_and_grads_match_single_device(single, style, layout):
+    if layout.get("parallel__pipeline_schedule", "gpipe") != "gpipe":  # (ids without it: the layouts' own keys)
+        layout = {"parallel__stage_remat": True, **layout}
     if style.startswith("moe"):
         cfg = config("gpt2", **L4, **MOE, **({"moe__every": 2} if style == "moe_every2" else {}), **layout)
     else:
@@ -305,7 +309,7 @@ def test_a_backward_from_kept_residuals_runs_no_forward_again(sched, remat):
 
     s, m = 2, 2
     lay = dict(parallel__pipe=s, parallel__microbatches=m, parallel__pipeline_schedule=sched, model__remat=remat)
-    saved = _stack_flops(**lay) - _stack_flops(**lay, parallel__stage_remat=False)
+    saved = _stack_flops(**lay, parallel__stage_remat=True) - _stack_flops(**lay, parallel__stage_remat=False)
     runs = m + s - 1 if sched == "1f1b" else tables(sched, s, m)["slots"]
     forward = _stack_flops(model__remat="none") / 3
     assert abs(saved / forward - runs / (m * s)) < 1e-3, (saved / forward, runs / (m * s))
@@ -403,7 +407,7 @@ def test_bfloat16_stash_is_written_in_place(stage_remat):
     stash = f"[{rows},{mb},{m.seq_len},{m.d_model}]" if stage_remat else f"[{rows},2,{mb},{m.seq_len},{m.d_model}]"
     text = got["trainer"].hlo_text()
     assert f"u16{stash}" in text and f"f32{stash}" not in text and f"bf16{stash}" not in text, stash
-    ref = first_step(config("llama", **{**over, "parallel__stage_remat": True, "parallel__pipe": 1,
+    ref = first_step(config("llama", **{**over, "parallel__stage_remat": False, "parallel__pipe": 1,
                                          "parallel__pipeline_schedule": "gpipe", "parallel__microbatches": 0}))
     assert abs(got["loss"] - ref["loss"]) <= 2e-2 * abs(ref["loss"])
     for a, b in zip(jax.tree.leaves(got["grads"]), jax.tree.leaves(ref["grads"])):
@@ -422,7 +426,8 @@ def test_1f1b_memory_stays_flat_in_microbatches():
         for m in (2, 16):
             t = trainer(config("llama", **{"model__n_layers": 2 * r, **over}, parallel__pipe=2,
                                parallel__microbatches=m, parallel__pipeline_repeats=r,
-                               parallel__pipeline_schedule=sched.split("-")[0], train__batch_size=4 * m), 2)
+                               parallel__pipeline_schedule=sched.split("-")[0], train__batch_size=4 * m,
+                               **({} if sched == "gpipe" else {"parallel__stage_remat": True})), 2)
             temp[sched + "x" * (r - 1), m] = t.compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["1f1b", 16] <= 1.3 * temp["1f1b", 2], temp
@@ -455,7 +460,7 @@ def test_stage_keeps_no_copy_of_its_weights_per_iteration(model):
                             ("1f1b-kept", "none", 2)):
         t = trainer(config("llama", **over, model__n_layers=4, model__seq_len=16, parallel__data=2, parallel__pipe=2,
                            parallel__microbatches=m, parallel__pipeline_schedule=sched.split("-")[0],
-                           model__remat=remat, parallel__stage_remat=not sched.endswith("kept"),
+                           model__remat=remat, parallel__stage_remat=sched == "1f1b",
                            train__batch_size=16 if sched == "gpipe" else 4), 4)
         temp[sched, remat, m] = t.compile()["memory"]["temp_size"]
     stage = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # the stage's stacked matrices
@@ -503,9 +508,9 @@ def test_schedule_chart(tmp_path):
     (dict(**L4, parallel__pipeline_schedule="1f1b"),
      "parallel.pipeline_schedule=1f1b has no effect with parallel.pipe=1"),
     (dict(**L4, parallel__pipe=2, parallel__pipeline_schedule="pipedream"), "parallel.pipeline_schedule"),
-    (dict(**L4, parallel__pipe=2, parallel__stage_remat=False),
-     "parallel.stage_remat=false has no effect with parallel.pipeline_schedule=gpipe"),
-    (dict(**L4, parallel__stage_remat=False), "parallel.stage_remat=false has no effect with parallel.pipe=1"),
+    (dict(**L4, parallel__pipe=2, parallel__stage_remat=True),
+     "parallel.stage_remat=true has no effect with parallel.pipeline_schedule=gpipe"),
+    (dict(**L4, parallel__stage_remat=True), "parallel.stage_remat=true has no effect with parallel.pipe=1"),
 ])
 def test_bad_pipeline_input(layout, needle):
     with pytest.raises(ConfigError) as e:

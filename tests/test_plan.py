@@ -50,6 +50,8 @@ def layout(arch, par, extra=()):
     par = dict(par)
     accum = [f"train.grad_accum={par.pop('grad_accum')}"] if "grad_accum" in par else []
     moe = ["model.arch=moe", "moe.n_experts=4"] if arch == "moe" else []
+    if par.get("pipeline_schedule", "gpipe") != "gpipe":  # unset: each stage's forward run again for its backward
+        par.setdefault("stage_remat", True)
     cfg = load_config(None, TINY + list(extra) + accum + moe)
     return cfg, {f"parallel.{k}": v for k, v in par.items()}
 
@@ -114,6 +116,8 @@ def test_model_matches_the_compiled_step_when_weights_dominate(arch, remat, par)
                              "model.seq_len=16", "model.vocab_size=256", "train.batch_size=16",
                              "model.compute_dtype=bfloat16", f"model.remat={remat}"] + WEIGHTY[arch])
     ov = {f"parallel.{k}": v for k, v in par.items()}
+    if "pipeline_schedule" in par:  # 1F1B's stage run again for its backward
+        ov["parallel.stage_remat"] = True
     planner = Planner(cfg, CLUSTERS["cpu"], 1, platform="cpu")
     mem = trainer(planner.config(ov)).compile()["memory"]
     total = mem["argument_size"] + mem["output_size"] + mem["temp_size"] - mem["alias_size"]
@@ -362,7 +366,7 @@ def megatron_row(p, h, d, l, tp, pp, g, b, tf):
             "parallel.zero": 0, "parallel.megatron_sp": False}
     if pp > 1:
         cands = [{**base, "parallel.microbatches": b // dp, "model.remat": "none", "train.grad_accum": 1,
-                  "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_repeats": r}
+                  "parallel.pipeline_schedule": "1f1b", "parallel.pipeline_repeats": r, "parallel.stage_remat": True}
                  for r in (1, 2, 3, 4) if l % (pp * r) == 0]
     else:
         cands = [{**base, "parallel.microbatches": 0, "model.remat": "full", "train.grad_accum": b // dp}]
@@ -421,6 +425,7 @@ H200_PEAKS = [
     ("qwen3_30b_a3b", ["model.n_layers=4", "train.batch_size=4", "model.seq_len=2048", "model.remat=full"], 51.39),
     # MLA's 192-wide query/key heads: cuDNN's flash kernel on Hopper (train.py chose it on the H200)
     ("deepseek_v3", ["parallel.pipe=1", "parallel.microbatches=0", "parallel.pipeline_schedule=gpipe",
+                     "parallel.stage_remat=false",
                      "train.grad_accum=1", "model.n_layers=3", "moe.first_dense=1", "moe.n_experts=16",
                      "model.vocab_size=32000", "train.batch_size=2", "model.seq_len=2048", "model.remat=full"], 50.42),
 ]

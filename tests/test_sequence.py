@@ -250,7 +250,7 @@ def test_ring_keeps_no_blocks_inside_a_pipeline_stage():
     for layers in (4, 8):
         cfg = config("llama", model__n_layers=layers, model__seq_len=256, parallel__pipe=2, parallel__seq=2,
                      parallel__microbatches=2, parallel__pipeline_schedule="1f1b", model__remat="none",
-                     train__batch_size=2)
+                     parallel__stage_remat=True, train__batch_size=2)
         temp[layers] = trainer(cfg, 4).compile()["memory"]["temp_size"]
     block = cfg.model.n_heads * (256 // 2) ** 2 * 4
     per_layer = (temp[8] - temp[4]) / 2

@@ -4,9 +4,9 @@ their dependencies written here: every pass once, after the passes it needs, one
 import numpy as np
 import pytest
 
-from helpers import config, trainer
+from helpers import batches, config, trainer
 from jaxpar.layers.zero_bubble import (BWD, FWD, IDLE, KINDS, SENDS, WGT, idle_fraction, in_flight, lengths_for,
-                                       schedule_zero_bubble, stretch, tables)
+                                       passes_for, schedule_zero_bubble, stretch, tables)
 
 
 def check_grid(kind: str, grid, stages: int, microbatches: int) -> dict:
@@ -89,7 +89,7 @@ def test_executor_program_replays_the_grid(kind, stages, microbatches, forward_o
 
 @pytest.mark.parametrize("stages, microbatches", [(4, 8), (2, 4), (3, 7), (4, 16)])
 def test_executor_program_replays_the_order_built_for_b_twice_f(stages, microbatches):
-    """The same replay for ZB-V's order built for B = 2F (parallel.stage_remat, the default)."""
+    """The same replay for ZB-V's order built for B = 2F (parallel.stage_remat=true)."""
     replay(tables("zb_v", stages, microbatches, lengths=lengths_for(True)), "zb_v", stages, microbatches, False)
 
 
@@ -241,10 +241,36 @@ def test_the_run_log_line_and_bubble():
     assert abs(describe("zb_v", 4, 8, lines.append) - 3 / 51) < 1e-12
     assert len(lines) == 2 and "ZB-H1" in lines[0] and "27 slots" in lines[0] and "4 stage inputs" in lines[0]
     assert "ZB-V" in lines[1] and "51 slots of one pass of a chunk" in lines[1], lines
-    # a default run (parallel.stage_remat: B runs the forward again) is told what its deferred Ws hold
-    lines.clear()
-    describe("zb_h1", 4, 8, lines.append, lengths_for(True))
-    assert len(lines) == 2 and "parallel.stage_remat=false" in lines[1] and "more memory than 1F1B" in lines[1]
+    # a run whose B runs the forward again (parallel.stage_remat=true) is told what its deferred Ws hold, and so is
+    # one whose remat policy recomputes the matmuls' inputs (the taps hold them); a default one is not
+    for stage_remat, remat, told in ((True, "none", "parallel.stage_remat=false"),
+                                     (False, "full", "model.remat=none or save_dots"),
+                                     (False, "none", None), (False, "save_dots", None)):
+        lines.clear()
+        describe("zb_h1", 4, 8, lines.append, *passes_for(stage_remat, remat))
+        if told is None:
+            assert len(lines) == 1, lines
+        else:
+            assert len(lines) == 2 and told in lines[1] and "more memory than 1F1B" in lines[1], lines
+
+
+@pytest.mark.parametrize("remat", ["none", "save_dots", "minimal", "full", "save_dots_except_mlp", "save_qkv_proj"])
+def test_the_policies_whose_residuals_hold_the_matmul_inputs(remat, monkeypatch):
+    """``passes_for`` (the run log, the planner's buffers) says W reads its matmuls' inputs from the kept
+    residuals exactly for the policies under which the executor's own search (``inputs_from_residuals``: B's
+    pullback cut to the inputs, no matmul left) finds them there."""
+    import jax
+
+    from jaxpar.layers import zero_bubble
+
+    found = []
+    real = zero_bubble.inputs_from_residuals
+    monkeypatch.setattr(zero_bubble, "inputs_from_residuals", lambda *a: found.append(real(*a)) or found[-1])
+    cfg = config("llama", model__n_layers=2, model__remat=remat, parallel__pipe=2, parallel__microbatches=2,
+                 parallel__pipeline_schedule="zb_h1", train__batch_size=4)
+    t = trainer(cfg, 2)
+    jax.eval_shape(t._step, t.abstract_state, t.place_batch(batches(cfg, 1)[0]))
+    assert found and (found[0] is not None) == (passes_for(False, remat)[1] == "W"), (remat, found)
 
 
 def test_stretch_with_the_passes_real_lengths():
@@ -265,20 +291,21 @@ def test_stretch_with_the_passes_real_lengths():
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_communication_model_counts_what_each_device_runs(kind):
     """jaxpar.comm's GPU / TPU flavour of a zero-bubble step (only the branch a device takes runs): each device
-    runs M R forwards of a chunk and M R Bs (each its chunk's forward again and its backward), and one
-    collective-permute per slot and direction with a sender, counted here from the grid (a pass sends when its
-    neighbouring chunk sits on another device); XLA:CPU's static count (every branch in every slot) is held to
-    the compiled program in tests/test_comm.py."""
+    runs M R forwards of a chunk and M R Bs (each its backward and, with ``parallel.stage_remat=true``, its
+    chunk's forward again), and one collective-permute per slot and direction with a sender, counted here from
+    the grid (a pass sends when its neighbouring chunk sits on another device); XLA:CPU's static count (every
+    branch in every slot) is held to the compiled program in tests/test_comm.py."""
     from jaxpar import comm
 
     s_, m_, layers = 4, 8, 8
     r_ = 1 if kind == "zb_h1" else 2
-    cfg = config("gpt2", model__n_layers=layers, parallel__pipe=s_, parallel__microbatches=m_, parallel__data=2,
-                 parallel__pipeline_schedule=kind, parallel__pipeline_repeats=r_)
     sizes = {"data": 2, "tensor": 1, "pipe": s_, "expert": 1, "seq": 1}
-    ru = comm.step_runs(cfg, sizes, "gpu")
     per_chunk = layers // (s_ * r_)
-    assert (ru.fwd, ru.bwd, ru.redo) == (2 * m_ * r_ * per_chunk, m_ * r_ * per_chunk, 0)
+    for again in (True, False):
+        cfg = config("gpt2", model__n_layers=layers, parallel__pipe=s_, parallel__microbatches=m_, parallel__data=2,
+                     parallel__pipeline_schedule=kind, parallel__pipeline_repeats=r_, parallel__stage_remat=again)
+        ru = comm.step_runs(cfg, sizes, "gpu")
+        assert (ru.fwd, ru.bwd, ru.redo) == ((1 + again) * m_ * r_ * per_chunk, m_ * r_ * per_chunk, 0), again
     grid = schedule_zero_bubble(kind, s_, m_)
     n = s_ * r_
     dev = [c if c < s_ else 2 * s_ - 1 - c for c in range(n)]
@@ -298,10 +325,10 @@ def test_the_communication_model_counts_what_each_device_runs(kind):
 
 
 def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
-    """With the forwards' residuals kept (``parallel.stage_remat=false``, ``model.remat=none``: what the paper
-    compares, no schedule running a forward twice), the compiled step's temporaries of ZB-H1 and ZB-V are within
-    1.15x of 1F1B's at the same S and M once 1F1B's stash is full (pipe=2, M = 8 >= 2S - 1, 4 sequences per
-    microbatch): between a microbatch's F and its W a zero-bubble stage holds its residuals (W reads its
+    """By default (the forwards' residuals kept, ``parallel.stage_remat=false``; ``model.remat=none``: what the
+    paper compares, no schedule running a forward twice), the compiled step's temporaries of ZB-H1 and ZB-V are
+    within 1.15x of 1F1B's at the same S and M once 1F1B's stash is full (pipe=2, M = 8 >= 2S - 1, 4 sequences
+    per microbatch): between a microbatch's F and its W a zero-bubble stage holds its residuals (W reads its
     matmuls' inputs from them) and, from B, B's taps (the deferred matmuls' output cotangents); at most S
     microbatches between F and W against lock-step 1F1B's 2S - 1 between F and B; and at the issue's S = 4,
     M = 8 (8 layers: ZB-H1 0.86x, ZB-V 0.90x when measured). At M = S = 2, where 1F1B holds only the M there
@@ -315,7 +342,7 @@ def test_kept_residuals_hold_zero_bubble_memory_near_1f1b():
             cfg = config("llama", model__n_layers=2 * s_, model__d_model=64, model__n_heads=8, model__n_kv_heads=8,
                          model__d_ff=128, model__vocab_size=250, model__seq_len=16, model__remat="none",
                          parallel__pipe=s_, parallel__microbatches=m, parallel__pipeline_schedule=sched,
-                         parallel__pipeline_repeats=r, parallel__stage_remat=False, train__batch_size=4 * m)
+                         parallel__pipeline_repeats=r, train__batch_size=4 * m)
             temp[sched, s_, m] = trainer(cfg, s_).compile()["memory"]["temp_size"]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     for s_, m in ((2, 2), (2, 8), (4, 8)):

@@ -74,11 +74,16 @@ def lengths_for(stage_remat: bool) -> tuple[float, float]:
     return (2.0, 1.0) if stage_remat else EQUAL
 
 
+# the remat policies whose kept residuals hold each matmul's input or what it is made of without a matmul (a norm,
+# the gated product): W reads the inputs there (:func:`inputs_from_residuals` finds it so for a run's own stage)
+INPUTS_KEPT = ("none", "save_dots", "minimal")
+
+
 def passes_for(stage_remat: bool, remat: str) -> tuple[tuple[float, float], str]:
     """``(lengths, x_until)`` of a run's grid and buffers: the passes' lengths (:func:`lengths_for`) and the pass
-    that last reads a chunk's input or residuals (:func:`tables`): W where the forward's residuals are kept without
-    remat (W reads its matmuls' inputs there: :func:`inputs_from_residuals`), else B."""
-    return lengths_for(stage_remat), "W" if not stage_remat and remat == "none" else "B"
+    that last reads a chunk's input or residuals (:func:`tables`): W where the forward's residuals are kept under
+    a policy of :data:`INPUTS_KEPT` (W reads its matmuls' inputs there), else B."""
+    return lengths_for(stage_remat), "W" if not stage_remat and remat in INPUTS_KEPT else "B"
 
 
 @functools.lru_cache(maxsize=256)  # (the planner asks for the same S and M many times; callers do not mutate it)
@@ -187,8 +192,9 @@ def schedule_zero_bubble(kind: str, stages: int, microbatches: int,
     return grid
 
 
-def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQUAL, x_until: str = "B") -> float:
-    """``log`` the run log's line on the schedule; its idle fraction (the ``bubble_fraction`` of metrics.jsonl)."""
+def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQUAL, x_until: str = "W") -> float:
+    """``log`` the run log's line on the schedule; its idle fraction (the ``bubble_fraction`` of metrics.jsonl).
+    ``lengths, x_until``: :func:`passes_for` (the defaults: the forwards' residuals kept, no remat)."""
     grid = schedule_zero_bubble(kind, stages, microbatches, lengths)
     bubble, sizes = idle_fraction(grid), tables(kind, stages, microbatches, lengths=lengths, x_until=x_until)["sizes"]
     name, unit, what = (("ZB-H1", "", "stage inputs") if kind == "zb_h1" else
@@ -204,6 +210,11 @@ def describe(kind: str, stages: int, microbatches: int, log, lengths: tuple = EQ
             "microbatch's matmul inputs and output cotangents, which 1F1B's backward drops at once: more memory "
             "than 1F1B at the same S and M; parallel.stage_remat=false (the forward's residuals kept, no forward "
             "run twice) holds about 1F1B's (docs/concepts/pipeline.md)")
+    elif x_until == "B":  # a remat policy recomputes the matmuls' inputs: the taps hold them
+        log("pipeline: model.remat recomputes the matmuls' inputs, so each deferred W holds that microbatch's "
+            "inputs and output cotangents, which 1F1B's backward drops at once: more memory than 1F1B at the same "
+            "S and M; with model.remat=none or save_dots W reads the inputs from the kept residuals "
+            "(docs/concepts/pipeline.md)")
     return bubble
 
 
