@@ -1,10 +1,10 @@
-"""A pipeline stage's forward residuals, kept from its F to its B (``parallel.stage_remat=false``).
+"""A pipeline stage's forward residuals, kept from its F to its B (``parallel.stage_remat=false``, the default).
 
 A schedule that computes its own gradients (1F1B, interleaved 1F1B, ZB-H1, ZB-V) runs a stage's backward
-in a later iteration than its forward. By default the backward runs the stage's forward again from the
-kept input (the stage rematerialised as a whole). Keeping what ``jax.vjp`` linearised instead saves that
-forward: B then runs only the backward, the layers' remat policy (``model.remat``) deciding what the
-forward keeps (``none``: every activation; ``full``: each layer's input).
+in a later iteration than its forward. With ``parallel.stage_remat=true`` the backward runs the stage's
+forward again from the kept input (the stage rematerialised as a whole). Keeping what ``jax.vjp`` linearised
+instead saves that forward: B then runs only the backward, the layers' remat policy (``model.remat``) deciding
+what the forward keeps (``none``: every activation; ``full``: each layer's input).
 
 Not every residual of a stage's ``jax.vjp`` belongs to the microbatch: the linearisation of a scan over
 layers re-emits its stacked (selected, cast) weights as residuals, and keeping those per microbatch would
