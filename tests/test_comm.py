@@ -46,20 +46,25 @@ LAYOUTS = {
                                     parallel__microbatches=2, model__n_layers=4)),
     "pipe-seq-sp": ("llama_gqa", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2,
                                       parallel__megatron_sp=True, model__n_layers=4)),
+    # (a schedule that runs its own backward: the forward's residuals kept by default; with
+    # parallel.stage_remat=true, where set below, each backward runs its chunk's forward and its collectives again)
     "pipe-1f1b": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
-                                parallel__pipeline_schedule="1f1b", parallel__microbatches=4)),
+                                parallel__pipeline_schedule="1f1b", parallel__microbatches=4,
+                                parallel__stage_remat=True)),
+    "pipe-1f1b-kept": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
+                                     parallel__pipeline_schedule="1f1b", parallel__microbatches=4)),
     # ZeRO-1: the embedding / head gradients are reduced over data first, then only the shard summed over pipe
     "pipe-zero1": ("llama", dict(parallel__pipe=2, parallel__data=4, parallel__zero=1, model__n_layers=4)),
     # interleaved: one-layer chunks (XLA drops the recompute's MLP-down all-reduce)
     "pipe-1f1b-interleaved": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
                                             parallel__pipeline_schedule="1f1b", parallel__pipeline_repeats=2,
-                                            parallel__microbatches=4)),
+                                            parallel__microbatches=4, parallel__stage_remat=True)),
     # one-layer chunks under remat: the layer's recompute is the chunk's (XLA merges them), with Megatron-SP's
     # all-gathers and the K/V all-gathers of seq
     "pipe-1f1b-one-layer-remat-sp-seq": ("llama", dict(parallel__pipe=2, parallel__seq=2, parallel__tensor=2,
                                                       parallel__megatron_sp=True, parallel__seq_attention="all_gather",
                                                       parallel__pipeline_schedule="1f1b", parallel__microbatches=4,
-                                                      model__remat="full")),
+                                                      model__remat="full", parallel__stage_remat=True)),
     # M > 2S: the embedding's weight gradients taken every C = 2S microbatches in the loop (embed_chunk), tied
     # (the table's head part reduced apart) and untied
     "pipe-1f1b-embed-chunks": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2,
@@ -82,7 +87,8 @@ LAYOUTS = {
                                                    parallel__pipeline_schedule="1f1b", **MLA)),
     # the zero-bubble grids: every branch of every slot (XLA:CPU's static count), the slots' send patterns
     "pipe-zb_h1": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
-                                 parallel__pipeline_schedule="zb_h1", parallel__microbatches=4)),
+                                 parallel__pipeline_schedule="zb_h1", parallel__microbatches=4,
+                                 parallel__stage_remat=True)),
     "pipe-zb_h1-tied-remat-chunks": ("gpt2", dict(parallel__pipe=2, parallel__data=4, model__n_layers=2,
                                                   parallel__pipeline_schedule="zb_h1", parallel__microbatches=8,
                                                   model__remat="full", train__batch_size=32)),
@@ -92,7 +98,7 @@ LAYOUTS = {
                                                 parallel__pipeline_schedule="zb_h1")),
     "pipe-zb_v": ("llama", dict(parallel__pipe=2, parallel__data=2, parallel__tensor=2, model__n_layers=4,
                                 parallel__pipeline_schedule="zb_v", parallel__pipeline_repeats=2,
-                                parallel__microbatches=4)),
+                                parallel__microbatches=4, parallel__stage_remat=True)),
     "pipe-zb_v-sorted-save-dots": ("llama", dict(model__arch="moe", model__n_layers=4, moe__n_experts=4,
                                                  moe__dropless=True, moe__dispatch="sorted", parallel__pipe=2,
                                                  parallel__expert=4, model__remat="save_dots",
