@@ -14,6 +14,8 @@
    gradients' inputs of at most S microbatches (``parallel.stage_remat=true`` too).
 3. Both with ``model.remat=none`` and the default ``parallel.stage_remat=false`` ("kept": each backward from the
    residuals its forward kept, no forward run twice; the zero-bubble paper's setting): 1F1B, ZB-H1 and ZB-V.
+4. ZB-H1's and ZB-V's temporaries over 1F1B's at the issue's S = 4, M = 8 (the layout of 2. in 8 layers) for
+   each ``parallel.stage_remat`` and ``model.remat`` none, save_dots and full (docs/concepts/pipeline.md).
 
 Nothing is timed: the numbers are the compiler's buffer assignment, the same on any machine.
 """
@@ -92,6 +94,19 @@ def main(argv=None) -> int:
         out["microbatches"][name] = temps
         print(f"  {name:29s} M=2 {temps[2] / MIB:6.2f} MiB   M=16 {temps[16] / MIB:6.2f} MiB   "
               f"ratio {temps[16] / temps[2]:.2f}")
+    print("temporaries over 1F1B's at S = 4, M = 8 (8 layers), per setting:")
+    out["settings"] = {}
+    for again in (False, True):
+        for remat in ("none", "save_dots", "full"):
+            temps = {sched: memory({**TINY, "model.n_layers": 8, "parallel.pipe": 4, "parallel.microbatches": 8,
+                                    "parallel.pipeline_schedule": sched, "parallel.pipeline_repeats": r,
+                                    "train.batch_size": 32, "model.remat": remat,
+                                    "parallel.stage_remat": again})["temp_size"]
+                     for sched, r in (("1f1b", 1), ("zb_h1", 1), ("zb_v", 2))}
+            name = f"stage_remat={str(again).lower()}, remat={remat}"
+            out["settings"][name] = temps
+            print(f"  {name:36s} 1F1B {temps['1f1b'] / MIB:6.2f} MiB   ZB-H1 {temps['zb_h1'] / temps['1f1b']:.2f}x   "
+                  f"ZB-V {temps['zb_v'] / temps['1f1b']:.2f}x")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0
